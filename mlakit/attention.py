@@ -1,0 +1,179 @@
+"""MLAAttention: projections → cache write → choose a path → attention over the latent → o_proj."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlakit.cache import LatentCache, Slots
+from mlakit.config import MLAConfig
+from mlakit.dispatch import check_mode, choose
+from mlakit.ops import absorb, materialize
+from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
+from mlakit.rope import RotaryTable
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm: normalize in fp32, cast back, then scale."""
+
+    def __init__(self, width: int, eps: float, **factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention with transformers' parameter names.
+
+    `forward(hidden_states [B,S,D], cache=None, *, mode="auto", slots=None) -> [B,S,D]`.
+    """
+
+    def __init__(self, cfg: MLAConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        f = {"device": device, "dtype": dtype}
+        h, bias = cfg.num_heads, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False, **f)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, **f)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **f)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **f)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=bias, **f)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, **f)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **f
+        )
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
+        self.rope = RotaryTable(cfg)
+        self.scale = cfg.softmax_scale
+        self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
+        self.last_mode: str | None = None
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
+        self._derived_key: tuple | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_b_proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_b_proj.weight.device
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj; cached while the weight is unchanged."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight
+        per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        if torch.is_grad_enabled() and w.requires_grad:
+            return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if key != self._derived_key or self.w_uk is None:
+            with torch.no_grad():
+                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].contiguous()
+                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].contiguous()
+            self._derived_key = key
+        return self.w_uk, self.w_uv
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: LatentCache | None = None,
+        *,
+        mode: str = "auto",
+        slots: Slots = None,
+    ) -> torch.Tensor:
+        check_mode(mode)
+        self._check_hidden(hidden_states)
+        batch, new, _ = hidden_states.shape
+        if cache is None:
+            if slots is not None:
+                raise ValueError("slots were given without a cache")
+            slot_ids, start = None, torch.zeros(batch, dtype=torch.long)
+        else:
+            slot_ids = self._check_cache(cache, batch, new, slots)
+            start = cache.lengths[slot_ids].clone()
+        positions = (start[:, None] + torch.arange(new)).to(hidden_states.device)  # [B, S]
+        q_nope, q_pe, c_kv, k_pe = self.project(hidden_states, positions)
+        kv_lens = start + new
+        if cache is not None:
+            cache._write(c_kv, k_pe, slot_ids)
+            c_kv, k_pe = cache.view(slot_ids, int(kv_lens.max()))
+        run = choose(self.cfg, new, start.tolist()) if mode == "auto" else mode
+        out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+        self.last_mode = run
+        return self.o_proj(out.reshape(batch, new, -1))
+
+    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens):
+        """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None)."""
+        w_uk, w_uv = self.up_weights()
+        if run == "absorb":
+            return absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale)
+        return materialize(
+            q_nope,
+            q_pe,
+            c_kv,
+            k_pe,
+            kv_lens,
+            w_uk,
+            w_uv,
+            self.scale,
+            workspace_tokens=self.workspace_tokens,
+            need_lse=False,
+        )
+
+    def project(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B,S,D], positions [B,S] → q_nope [B,S,H,dn], q_pe [B,S,H,dr] (rotated),
+        c_kv [B,S,L] (normalized), k_pe [B,S,dr] (rotated)."""
+        cfg = self.cfg
+        batch, new, _ = hidden_states.shape
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_proj_with_mqa(hidden_states)
+        c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cos, sin = self.rope.cos_sin(positions)  # [B, S, dr/2]
+        q_pe = self.rope.apply(q_pe, cos[:, :, None], sin[:, :, None])
+        k_pe = self.rope.apply(k_pe, cos, sin)
+        return q_nope, q_pe, c_kv, k_pe
+
+    def _check_hidden(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"hidden_states must be a tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"hidden_states must be [batch, seq, hidden], got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"hidden_states has width {x.shape[-1]}, layer expects {self.cfg.hidden_size}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"hidden_states has shape {tuple(x.shape)}; batch and new tokens must be >= 1")
+        if x.dtype != self.dtype:
+            raise ValueError(f"hidden_states has dtype {x.dtype}, layer holds {self.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"hidden_states is on {x.device}, layer is on {self.device}")
+
+    def _check_cache(self, cache: LatentCache, batch: int, new: int, slots: Slots) -> torch.Tensor:
+        if cache.cfg.latent_dim != self.cfg.latent_dim or cache.cfg.kv_lora_rank != self.cfg.kv_lora_rank:
+            raise ValueError(
+                f"cache holds latents of width {cache.cfg.kv_lora_rank}+{cache.cfg.qk_rope_head_dim}, "
+                f"layer produces {self.cfg.kv_lora_rank}+{self.cfg.qk_rope_head_dim}"
+            )
+        if cache.dtype != self.dtype:
+            raise ValueError(f"cache holds dtype {cache.dtype}, layer computes in {self.dtype}")
+        if cache.device != self.device:
+            raise ValueError(f"cache is on {cache.device}, layer is on {self.device}")
+        cache.check_lengths()
+        slot_ids = cache.resolve_slots(slots, batch)
+        cache.check_append(new, slot_ids)
+        return slot_ids

@@ -1,0 +1,86 @@
+"""mlakit check: a preset's layer at full width, prefill + decode in both paths, difference and time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mlakit.attention import MLAAttention
+from mlakit.cache import LatentCache
+from mlakit.commands import emit_json
+from mlakit.config import MLAConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "check", help="run both paths on a preset's full-width layer; print difference and time"
+    )
+    p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--prefill", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps after the prefill (default 8)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run_path(layer, cfg, mode, prompt, steps, dtype):
+    """Prefill then decode in one mode; returns outputs and seconds of each phase."""
+    batch = prompt.shape[0]
+    cache = LatentCache(cfg, batch, prompt.shape[1] + len(steps), dtype=dtype)
+    outs = []
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        outs.append(layer(prompt, cache, mode=mode))
+        t1 = time.perf_counter()
+        for x in steps:
+            outs.append(layer(x, cache, mode=mode))
+        t2 = time.perf_counter()
+    return outs, t1 - t0, (t2 - t1) / max(1, len(steps))
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+    den = max(float(y.float().abs().max()) for y in b)
+    return num / max(den, 1e-30)
+
+
+def run(args) -> int:
+    for name in ("prefill", "decode_steps", "batch"):
+        if getattr(args, name) < (0 if name == "decode_steps" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    cfg = MLAConfig.resolve(args.model)
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    layer = MLAAttention(cfg, dtype=dtype).eval()
+    build_s = time.perf_counter() - t0
+    prompt = torch.randn(args.batch, args.prefill, cfg.hidden_size, dtype=dtype)
+    steps = [torch.randn(args.batch, 1, cfg.hidden_size, dtype=dtype) for _ in range(args.decode_steps)]
+    result = {"model": cfg.name, "dtype": args.dtype, "batch": args.batch, "prefill": args.prefill}
+    result["decode_steps"] = args.decode_steps
+    result["threads"] = torch.get_num_threads()
+    outs = {}
+    for mode in ("absorb", "materialize"):
+        outs[mode], prefill_s, decode_s = run_path(layer, cfg, mode, prompt, steps, dtype)
+        result[mode] = {"prefill_ms": prefill_s * 1e3, "decode_ms_per_step": decode_s * 1e3}
+    result["max_rel_diff"] = rel_diff(outs["absorb"], outs["materialize"])
+    result["build_s"] = build_s
+    if args.json:
+        emit_json(result)
+        return 0
+    print(
+        f"{cfg.name}: {cfg.num_heads} heads, latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, {args.dtype}, "
+        f"batch {args.batch}, prefill {args.prefill} + {args.decode_steps} decode steps, "
+        f"{result['threads']} threads"
+    )
+    print(f"{'path':<12} {'prefill ms':>11} {'decode ms/step':>15}")
+    for mode in ("absorb", "materialize"):
+        r = result[mode]
+        print(f"{mode:<12} {r['prefill_ms']:>11.1f} {r['decode_ms_per_step']:>15.2f}")
+    print(f"max |absorb - materialize| / max |materialize| = {result['max_rel_diff']:.2e}")
+    return 0

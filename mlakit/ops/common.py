@@ -1,0 +1,49 @@
+"""Helpers both paths share: the causal/ragged mask, an fp32 softmax that also returns lse."""
+
+from __future__ import annotations
+
+import torch
+
+# scores computed at once are capped at this many elements (256 MB in fp32)
+SCORE_BUDGET = 1 << 26
+
+
+def context_mask(
+    kv_lens: torch.Tensor, new: int, q_start: int, q_stop: int, k_start: int, k_stop: int, device
+) -> torch.Tensor | None:
+    """Bool [B, q, k], True where key k is hidden from query q; None when nothing is hidden.
+
+    Query i of row b sits at position kv_lens[b] - new + i and sees keys 0 .. that position.
+    """
+    if q_stop - q_start == 1 and new == 1 and bool((kv_lens >= k_stop).all()):
+        return None
+    lens = kv_lens.to(device)
+    query_pos = lens[:, None] - new + torch.arange(q_start, q_stop, device=device)  # [B, q]
+    keys = torch.arange(k_start, k_stop, device=device)
+    return keys[None, None, :] > query_pos[:, :, None]
+
+
+def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim in fp32, and its log-sum-exp; in place when autograd is off.
+
+    Rows with every key hidden (all -inf) give zero probabilities and lse -inf.
+    """
+    scores = scores.float()
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    if torch.is_grad_enabled() and scores.requires_grad:
+        probs = torch.exp(scores - peak)
+        denom = probs.sum(dim=-1, keepdim=True)
+        probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        probs = scores.sub_(peak).exp_()
+        denom = probs.sum(dim=-1, keepdim=True)
+        probs.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
+    lse = (peak + torch.log(denom)).squeeze(-1)
+    return probs, lse
+
+
+def query_chunk(rows_per_query: int, keys: int, new: int) -> int:
+    """Queries per chunk so that the scores of one chunk stay within SCORE_BUDGET elements."""
+    per_query = max(1, rows_per_query * keys)
+    return max(1, min(new, SCORE_BUDGET // per_query))

@@ -1,0 +1,86 @@
+"""Materialize: expand each cached latent into per-head keys and values, then ordinary attention.
+
+The expansion works through the context `workspace_tokens` keys at a time and merges the partial
+results by log-sum-exp, so its extra memory is bounded whatever the context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mlakit.ops.common import context_mask, query_chunk, softmax_lse
+from mlakit.ops.merge import merge
+
+DEFAULT_WORKSPACE_TOKENS = 16384
+
+
+def materialize(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    *,
+    workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See `mlakit.ops`. With need_lse=False a one-shot call may run through SDPA and returns lse None."""
+    if workspace_tokens <= 0:
+        raise ValueError(f"workspace_tokens must be > 0, got {workspace_tokens}")
+    keys = int(kv_lens.max())
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, dn+dr]
+    if keys <= workspace_tokens and not need_lse and not q.requires_grad:
+        k, v = expand(c_kv[:, :keys], k_pe[:, :keys], w_uk, w_uv)
+        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale), None
+    outs, lses = [], []
+    for start in range(0, keys, workspace_tokens):
+        stop = min(keys, start + workspace_tokens)
+        k, v = expand(c_kv[:, start:stop], k_pe[:, start:stop], w_uk, w_uv)
+        out, lse = _attend(q, k, v, kv_lens, start, scale)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge(outs, lses)
+    return out.to(q_nope.dtype), lse
+
+
+def expand(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents [B,T,L] → keys [B,H,T,dn+dr] (shared rope key beside the nope) and values [B,H,T,dv]."""
+    heads, dn, latent = w_uk.shape
+    batch, keys, _ = c_kv.shape
+    k_nope = F.linear(c_kv, w_uk.reshape(heads * dn, latent)).view(batch, keys, heads, dn)
+    v = F.linear(c_kv, w_uv.reshape(-1, latent)).view(batch, keys, heads, -1)
+    k = torch.cat([k_nope, k_pe[:, :, None, :].expand(batch, keys, heads, k_pe.shape[-1])], dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _sdpa(q, k, v, kv_lens, new, scale):
+    keys = k.shape[2]
+    mask = context_mask(kv_lens, new, 0, new, 0, keys, q.device)
+    if mask is not None:
+        mask = ~mask[:, None]  # SDPA keeps True
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, S, dv]
+    return out.transpose(1, 2)
+
+
+def _attend(q, k, v, kv_lens, key_start, scale):
+    """Attention of all queries to keys key_start.. of the context: (out [B,S,H,dv] fp32, lse [B,S,H])."""
+    batch, heads, new, _ = q.shape
+    keys = k.shape[2]
+    outs, lses = [], []
+    step = query_chunk(batch * heads, keys, new)
+    for start in range(0, new, step):
+        stop = min(new, start + step)
+        scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)).float() * scale  # [B, H, s, T]
+        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(mask[:, None], float("-inf"))
+        probs, lse = softmax_lse(scores)
+        outs.append(torch.matmul(probs.to(v.dtype), v).float().transpose(1, 2))  # [B, s, H, dv]
+        lses.append(lse.transpose(1, 2))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

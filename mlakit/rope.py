@@ -1,0 +1,93 @@
+"""Rotary tables (default and YaRN) and their application in both layouts.
+
+Interleaved layouts (DeepSeek, GLM) rotate pairs (x0, x1), (x2, x3), ... and emit the result in
+half-split order [rotated evens | rotated odds]. Queries and keys get the same permutation, so every
+dot product equals the one of the in-place interleaved rotation; the cache stores this order, as
+transformers' DeepseekV3 cache does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mlakit.config import MLAConfig, yarn_mscale
+
+
+def inv_freq(cfg: MLAConfig) -> torch.Tensor:
+    """Inverse frequencies [dr/2] in fp32, YaRN-blended when the config scales rope."""
+    dim = cfg.qk_rope_head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    base = cfg.rope_theta**exponents
+    extrapolated = 1.0 / base
+    if not cfg.is_yarn:
+        return extrapolated
+    s = cfg.rope_scaling
+    factor = float(s["factor"])
+    interpolated = 1.0 / (factor * base)
+    low, high = _yarn_correction_range(cfg, dim)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def _yarn_correction_range(cfg: MLAConfig, dim: int) -> tuple[float, float]:
+    s = cfg.rope_scaling
+    original = s["original_max_position_embeddings"]
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+
+    def dim_for(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def attention_factor(cfg: MLAConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 without YaRN)."""
+    if not cfg.is_yarn:
+        return 1.0
+    s = cfg.rope_scaling
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+class RotaryTable:
+    """cos/sin for any positions, computed in fp32 from the config's frequencies."""
+
+    def __init__(self, cfg: MLAConfig):
+        self.inv_freq = inv_freq(cfg)
+        self.factor = attention_factor(cfg)
+        self.interleave = cfg.rope_interleave
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] → cos, sin [..., dr/2] in fp32."""
+        inv = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float32)[..., None] * inv
+        return angles.cos() * self.factor, angles.sin() * self.factor
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [..., dr] (cos/sin broadcastable to [..., dr/2]); output in half-split order."""
+        return apply_rope(x, cos, sin, self.interleave)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+    x1f, x2f = x1.float(), x2.float()
+    out = torch.cat([x1f * cos - x2f * sin, x2f * cos + x1f * sin], dim=-1)
+    return out.to(x.dtype)
