@@ -5,6 +5,7 @@
 - kv_lens [B] (CPU long): row b's context length; its S queries are its last S tokens
   (positions kv_lens[b]-S .. kv_lens[b]-1) and attend causally;
 - w_uk [H,dn,L], w_uv [H,dv,L]: kv_b_proj.weight viewed per head;
+- key_mask [B,T] bool (keyword, optional): False hides a key from every query (left padding);
 - returns out [B,S,H,dv] in the query dtype and lse [B,S,H] in fp32 (natural log of the
   softmax denominator of the scaled scores).
 """

@@ -20,6 +20,8 @@ def absorb(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    *,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, new, heads, _ = q_nope.shape
     keys = int(kv_lens.max())
@@ -29,7 +31,7 @@ def absorb(
     step = query_chunk(heads * batch, keys, new)
     for start in range(0, new, step):
         stop = min(new, start + step)
-        mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device)
+        mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask)
         o_lat, lse = latent_attention(q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale)
         outs.append(o_lat)
         lses.append(lse)

@@ -9,18 +9,29 @@ SCORE_BUDGET = 1 << 26
 
 
 def context_mask(
-    kv_lens: torch.Tensor, new: int, q_start: int, q_stop: int, k_start: int, k_stop: int, device
+    kv_lens: torch.Tensor,
+    new: int,
+    q_start: int,
+    q_stop: int,
+    k_start: int,
+    k_stop: int,
+    device,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Bool [B, q, k], True where key k is hidden from query q; None when nothing is hidden.
 
-    Query i of row b sits at position kv_lens[b] - new + i and sees keys 0 .. that position.
+    Query i of row b sits at position kv_lens[b] - new + i and sees keys 0 .. that position, except
+    keys where `key_mask` [B, T] is False (left padding).
     """
-    if q_stop - q_start == 1 and new == 1 and bool((kv_lens >= k_stop).all()):
+    if key_mask is None and new == 1 and bool((kv_lens >= k_stop).all()):
         return None
     lens = kv_lens.to(device)
     query_pos = lens[:, None] - new + torch.arange(q_start, q_stop, device=device)  # [B, q]
     keys = torch.arange(k_start, k_stop, device=device)
-    return keys[None, None, :] > query_pos[:, :, None]
+    hidden = keys[None, None, :] > query_pos[:, :, None]
+    if key_mask is not None:
+        hidden = hidden | ~key_mask[:, None, k_start:k_stop].to(device=device, dtype=torch.bool)
+    return hidden
 
 
 def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ def materialize(
     w_uv: torch.Tensor,
     scale: float,
     *,
+    key_mask: torch.Tensor | None = None,
     workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -35,12 +36,12 @@ def materialize(
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, dn+dr]
     if keys <= workspace_tokens and not need_lse and not q.requires_grad:
         k, v = expand(c_kv[:, :keys], k_pe[:, :keys], w_uk, w_uv)
-        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale), None
+        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask), None
     outs, lses = [], []
     for start in range(0, keys, workspace_tokens):
         stop = min(keys, start + workspace_tokens)
         k, v = expand(c_kv[:, start:stop], k_pe[:, start:stop], w_uk, w_uv)
-        out, lse = _attend(q, k, v, kv_lens, start, scale)
+        out, lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
         outs.append(out)
         lses.append(lse)
     out, lse = merge(outs, lses)
@@ -59,16 +60,16 @@ def expand(
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _sdpa(q, k, v, kv_lens, new, scale):
+def _sdpa(q, k, v, kv_lens, new, scale, key_mask):
     keys = k.shape[2]
-    mask = context_mask(kv_lens, new, 0, new, 0, keys, q.device)
+    mask = context_mask(kv_lens, new, 0, new, 0, keys, q.device, key_mask)
     if mask is not None:
         mask = ~mask[:, None]  # SDPA keeps True
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, S, dv]
     return out.transpose(1, 2)
 
 
-def _attend(q, k, v, kv_lens, key_start, scale):
+def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
     """Attention of all queries to keys key_start.. of the context: (out [B,S,H,dv] fp32, lse [B,S,H])."""
     batch, heads, new, _ = q.shape
     keys = k.shape[2]
@@ -77,7 +78,7 @@ def _attend(q, k, v, kv_lens, key_start, scale):
     for start in range(0, new, step):
         stop = min(new, start + step)
         scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)).float() * scale  # [B, H, s, T]
-        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device)
+        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device, key_mask)
         if mask is not None:
             scores = scores.masked_fill(mask[:, None], float("-inf"))
         probs, lse = softmax_lse(scores)

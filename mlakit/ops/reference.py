@@ -14,6 +14,8 @@ def reference(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    *,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, new = q_nope.shape[:2]
     outs, lses = [], []
@@ -27,10 +29,13 @@ def reference(
         q_r = q_pe[b].double().transpose(0, 1)  # [H, S, dr]
         scores = (q_n @ keys_nope.transpose(1, 2) + q_r @ rope_key.T) * scale  # [H, S, T]
         # query i sits at position t - new + i and sees keys 0..t - new + i
-        query_pos = torch.arange(t - new, t)[:, None]
-        scores = scores.masked_fill(torch.arange(t)[None, :] > query_pos, float("-inf"))
+        query_pos = torch.arange(t - new, t)[:, None]  # [S, 1]
+        hidden = torch.arange(t)[None, :] > query_pos  # [S, T]
+        if key_mask is not None:
+            hidden = hidden | ~key_mask[b, :t].cpu().bool()[None, :]
+        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, S]
-        probs = torch.exp(scores - lse[..., None])
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a query that sees no key mixes nothing
         outs.append((probs @ values).transpose(0, 1))  # [S, H, dv]
         lses.append(lse.T)  # [S, H]
     out = torch.stack(outs).to(q_nope.dtype)
