@@ -54,6 +54,8 @@ class MLAAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
         self.last_mode: str | None = None
+        # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
+        self.profile = None
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
         self._derived_key: tuple | None = None
@@ -105,7 +107,7 @@ class MLAAttention(nn.Module):
         if cache is not None:
             cache._write(c_kv, k_pe, slot_ids)
             c_kv, k_pe = cache.view(slot_ids, int(kv_lens.max()))
-        run = choose(self.cfg, new, start.tolist()) if mode == "auto" else mode
+        run = choose(self.cfg, new, start.tolist(), profile=self.profile) if mode == "auto" else mode
         out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
         self.last_mode = run
         return self.o_proj(out.reshape(batch, new, -1))

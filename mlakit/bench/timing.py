@@ -1,0 +1,56 @@
+"""Warm-up, repeats, median and min/max of a Step; the device is synchronized around every call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mlakit.bench.backends import Step
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int = 1  # untimed calls first (allocations, lazy weights, caches)
+    repeats: int = 5  # timed calls at most
+    min_repeats: int = 2  # timed calls at least, whatever the budget
+    budget_s: float = 1.5  # stop repeating once the timed calls of a cell took this long
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.min_repeats < 1 or self.repeats < self.min_repeats or self.budget_s <= 0:
+            raise ValueError(
+                f"timing needs warmup >= 0, 1 <= min_repeats <= repeats and budget_s > 0, got {self}"
+            )
+
+
+@dataclass(frozen=True)
+class Stats:
+    ms_median: float
+    ms_min: float
+    ms_max: float
+    repeats: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step: Step, device: torch.device, timing: Timing = Timing()) -> Stats:
+    for _ in range(timing.warmup):
+        step.reset()
+        step.run()
+    seconds: list[float] = []
+    while len(seconds) < timing.repeats:
+        step.reset()
+        synchronize(device)
+        t0 = time.perf_counter()
+        step.run()
+        synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+        if len(seconds) >= timing.min_repeats and sum(seconds) >= timing.budget_s:
+            break
+    ms = [s * 1e3 for s in seconds]
+    return Stats(statistics.median(ms), min(ms), max(ms), len(ms))
