@@ -9,6 +9,7 @@ from mlakit.cache import LatentCache, Slots
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.ops import absorb, materialize
+from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.rope import RotaryTable
 
@@ -67,7 +68,8 @@ class MLAAttention(nn.Module):
         return self.kv_b_proj.weight.device
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj; cached while the weight is unchanged."""
+        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj, contiguous, in the dtype matmuls run in
+        (fp32 for bf16 weights on a CPU without native bf16 GEMMs); cached while the weight is unchanged."""
         cfg = self.cfg
         w = self.kv_b_proj.weight
         per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
@@ -75,9 +77,10 @@ class MLAAttention(nn.Module):
             return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if key != self._derived_key or self.w_uk is None:
+            cd = compute_dtype(w.dtype, w.device)
             with torch.no_grad():
-                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].contiguous()
-                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].contiguous()
+                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].to(cd).contiguous()
+                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].to(cd).contiguous()
             self._derived_key = key
         return self.w_uk, self.w_uv
 
