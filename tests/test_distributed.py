@@ -140,7 +140,7 @@ def test_a_rank_holding_nothing_still_works(group_results):
     world, ranks = group_results
     held = ranks[-1]["cp"]["empty-rank-block4"]["held"]
     assert held[0] == 0, f"rank {world - 1} was meant to start empty, holds {held}"
-    assert held[-1] > 0 or world == 3
+    assert held[-1] > 0, f"rank {world - 1} should hold tokens by the end, holds {held}"
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))
