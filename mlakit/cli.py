@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # each module defines register(subparsers) and sets a `func(args) -> int` default on its parser
-COMMAND_MODULES = ("models", "check")
+COMMAND_MODULES = ("models", "check", "cp_check")
 
 
 def build_parser() -> argparse.ArgumentParser:
