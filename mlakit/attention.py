@@ -8,6 +8,7 @@ from torch import nn
 from mlakit.cache import LatentCache, Slots
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
+from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
@@ -40,17 +41,17 @@ class MLAAttention(nn.Module):
         f = {"device": device, "dtype": dtype}
         h, bias = cfg.num_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False, **f)
+            self.q_proj = Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False, **f)
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, **f)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, **f)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **f)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **f)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=bias, **f)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **f)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, bias=bias, **f)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, **f)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **f
         )
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
         self.rope = RotaryTable(cfg)
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
