@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # each module defines register(subparsers) and sets a `func(args) -> int` default on its parser
-COMMAND_MODULES = ("models", "check")
+COMMAND_MODULES = ("models", "check", "crossover", "cache", "cost", "explore")
 
 
 def build_parser() -> argparse.ArgumentParser:
