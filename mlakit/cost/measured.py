@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 SCHEMA = "mlakit-bench-results/1"
 ROW_KEYS = ("backend", "batch", "new", "cached", "dtype", "ms_median")
@@ -17,6 +18,8 @@ ABSORB, MATERIALIZE = "mlakit-absorb", "mlakit-materialize"
 
 
 def load_results(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"bench results {path!r}: no such file")
     with open(path, encoding="utf-8") as f:
         try:
             data = json.load(f)

@@ -206,6 +206,7 @@ function drawBench(chart, x, bench) {
   const m = measuredCrossover(bench.rows, bench.cached, bench.batch, bench.dtype);
   if (m !== null && m >= 1 && m <= NEW_MAX) {
     svg("line", { id: "measured-marker", x1: x.at(m), x2: x.at(m), y1: CHART.top, y2: CHART.height - CHART.bottom, class: "marker measured-marker" }, chart);
+    svg("text", { x: x.at(m) + 4, y: CHART.top + 28, class: "marker-label measured-label" }, chart).textContent = "measured " + m.toFixed(1);
   }
 }
 
