@@ -409,3 +409,26 @@ def test_docs_table_is_current():
     assert cost.markdown_tables() in text, (
         "docs/cost-model.md is stale: run `python -m mlakit.cost --markdown`"
     )
+
+
+def test_cost_imports_only_config_and_the_standard_library():
+    import ast
+    import glob
+    import sys
+
+    allowed = {"mlakit.config"} | set(sys.stdlib_module_names) | {"__future__"}
+    folder = os.path.join(os.path.dirname(cost.__file__), "*.py")
+    for path in glob.glob(folder):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            for name in names:
+                ok = (
+                    name.startswith("mlakit.cost")
+                    or name in allowed
+                    or name.split(".")[0] in allowed - {"mlakit"}
+                )
+                assert ok, f"{os.path.basename(path)} imports {name}"
