@@ -7,7 +7,15 @@ import importlib
 import sys
 
 # each module defines register(subparsers) and sets a `func(args) -> int` default on its parser
-COMMAND_MODULES = ("models", "check", "cp_check")
+COMMAND_MODULES = (
+    "models",
+    "check",
+    "crossover",
+    "cache",
+    "cost",
+    "explore",
+    "cp_check",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
