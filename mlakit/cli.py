@@ -19,7 +19,10 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlakit", description=__doc__.splitlines()[0].strip("`"))
+    parser = argparse.ArgumentParser(
+        prog="mlakit",
+        description="Multi-head Latent Attention: both algorithms, the cost model, the crossover.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"mlakit.commands.{name}").register(sub)
