@@ -8,7 +8,9 @@ from torch import nn
 from mlakit.cache import LatentCache, Slots
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
+from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
+from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.rope import RotaryTable
 
@@ -39,17 +41,17 @@ class MLAAttention(nn.Module):
         f = {"device": device, "dtype": dtype}
         h, bias = cfg.num_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False, **f)
+            self.q_proj = Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False, **f)
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, **f)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, **f)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **f)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **f)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=bias, **f)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **f)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, bias=bias, **f)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, **f)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **f
         )
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
         self.rope = RotaryTable(cfg)
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
@@ -69,7 +71,8 @@ class MLAAttention(nn.Module):
         return self.kv_b_proj.weight.device
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj; cached while the weight is unchanged."""
+        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj, contiguous, in the dtype matmuls run in
+        (fp32 for bf16 weights on a CPU without native bf16 GEMMs); cached while the weight is unchanged."""
         cfg = self.cfg
         w = self.kv_b_proj.weight
         per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
@@ -77,9 +80,10 @@ class MLAAttention(nn.Module):
             return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if key != self._derived_key or self.w_uk is None:
+            cd = compute_dtype(w.dtype, w.device)
             with torch.no_grad():
-                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].contiguous()
-                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].contiguous()
+                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].to(cd).contiguous()
+                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].to(cd).contiguous()
             self._derived_key = key
         return self.w_uk, self.w_uv
 

@@ -7,11 +7,22 @@ import importlib
 import sys
 
 # each module defines register(subparsers) and sets a `func(args) -> int` default on its parser
-COMMAND_MODULES = ("models", "check")
+COMMAND_MODULES = (
+    "models",
+    "check",
+    "crossover",
+    "cache",
+    "cost",
+    "explore",
+    "cp_check",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlakit", description=__doc__.splitlines()[0].strip("`"))
+    parser = argparse.ArgumentParser(
+        prog="mlakit",
+        description="Multi-head Latent Attention: both algorithms, the cost model, the crossover.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"mlakit.commands.{name}").register(sub)

@@ -1,14 +1,19 @@
 """Absorb: fold W_UK into the queries and W_UV after the weighted sum; attend over the latent itself.
 
 Every head scores against the same [c_kv | k_pe] rows (an MQA over the cache): no per-head key or
-value is ever built, so memory beyond the cache grows with heads × new tokens only.
+value is ever built, so memory beyond the cache grows with heads × new tokens only. The cache is
+read block by block: each block is converted once to the compute dtype and used for both the
+scores and the weighted sum while it is still in cache, with an online softmax across blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mlakit.ops.common import context_mask, query_chunk, softmax_lse
+from mlakit.ops.common import compute_dtype, context_mask, query_chunk, softmax_lse
+
+# cached tokens per block of the online softmax (1024 × 512 fp32 latents = 2 MB)
+KEY_BLOCK = 1024
 
 
 def absorb(
@@ -26,9 +31,11 @@ def absorb(
     batch, new, heads, _ = q_nope.shape
     keys = int(kv_lens.max())
     c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
-    q_lat = fold_queries(q_nope, w_uk)  # [B, S, H, L]
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+    q_pe = q_pe.to(cd)
     outs, lses = [], []
-    step = query_chunk(heads * batch, keys, new)
+    step = query_chunk(heads * batch, min(keys, KEY_BLOCK), new)
     for start in range(0, new, step):
         stop = min(new, start + step)
         mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask)
@@ -37,7 +44,7 @@ def absorb(
         lses.append(lse)
     o_lat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return unfold_values(o_lat, w_uv), lse
+    return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
 
 
 def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -66,17 +73,63 @@ def latent_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA over the latent: q_lat [B,s,H,L], q_pe [B,s,H,dr] against c_kv [B,T,L], k_pe [B,T,dr].
 
-    Returns the latent-space output [B,s,H,L] and lse [B,s,H] (fp32).
+    `mask` [B,s,T] is True where a key is hidden. Returns the latent-space output [B,s,H,L] in fp32
+    and lse [B,s,H] (fp32).
     """
     batch, new, heads, latent = q_lat.shape
-    keys = c_kv.shape[1]
-    q_l = q_lat.reshape(batch, new * heads, latent)
-    q_r = q_pe.reshape(batch, new * heads, -1)
-    rope_scores = torch.bmm(q_r, k_pe.transpose(1, 2))  # [B, s·H, T]
-    scores = torch.baddbmm(rope_scores, q_l, c_kv.transpose(1, 2), beta=scale, alpha=scale)
-    scores = scores.float()
+    if c_kv.shape[1] == 0:
+        # no keys: nothing to mix, and a softmax denominator of zero
+        lse = torch.full((batch, new, heads), float("-inf"), device=q_lat.device)
+        return torch.zeros(batch, new, heads, latent, device=q_lat.device), lse
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    q_l = q_lat.reshape(batch, new * heads, latent).to(cd) * scale
+    q_r = q_pe.reshape(batch, new * heads, -1).to(cd) * scale
     if mask is not None:
-        scores.view(batch, new, heads, keys).masked_fill_(mask[:, :, None, :], float("-inf"))
-    probs, lse = softmax_lse(scores)
-    o_lat = torch.bmm(probs.to(c_kv.dtype), c_kv)  # [B, s·H, L]
+        mask = mask[:, :, None, :]  # [B, s, 1, T]: the same for every head
+    if torch.is_grad_enabled() and (q_l.requires_grad or c_kv.requires_grad):
+        o_lat, lse = _one_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask)
+    else:
+        o_lat, lse = _blocked(q_l, q_r, c_kv, k_pe, mask, cd)
     return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
+
+
+def _scores(q_l, q_r, c, kp, mask):
+    """Scaled scores [B, s·H, T] in fp32 with hidden keys at -inf."""
+    scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2)).float()
+    if mask is not None:
+        batch, rows, keys = scores.shape
+        shaped = scores.view(batch, mask.shape[1], rows // mask.shape[1], keys)
+        scores = shaped.masked_fill(mask, float("-inf")).view(batch, rows, keys)
+    return scores
+
+
+def _one_block(q_l, q_r, c, kp, mask):
+    """Differentiable form: all keys at once."""
+    probs, lse = softmax_lse(_scores(q_l, q_r, c, kp, mask))
+    return torch.bmm(probs.to(c.dtype), c).float(), lse
+
+
+def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
+    """Online softmax over key blocks: running max, denominator and unnormalized output in fp32."""
+    rows = q_l.shape[:2]
+    keys = c_kv.shape[1]
+    peak = torch.full(rows, float("-inf"), device=q_l.device)
+    denom = torch.zeros(rows, device=q_l.device)
+    acc = torch.zeros(*rows, c_kv.shape[-1], device=q_l.device)
+    for k0 in range(0, keys, KEY_BLOCK):
+        k1 = min(keys, k0 + KEY_BLOCK)
+        c = c_kv[:, k0:k1].to(cd)  # [B, T_blk, L]: one conversion, two matmuls
+        scores = _scores(q_l, q_r, c, k_pe[:, k0:k1].to(cd), None if mask is None else mask[..., k0:k1])
+        new_peak = torch.maximum(peak, scores.amax(dim=-1))
+        safe = torch.where(torch.isinf(new_peak), torch.zeros_like(new_peak), new_peak)
+        probs = scores.sub_(safe[..., None]).exp_()
+        rescale = torch.exp(peak - safe)
+        denom.mul_(rescale).add_(probs.sum(dim=-1))
+        acc.mul_(rescale[..., None])
+        if cd == torch.float32:
+            acc.baddbmm_(probs, c)
+        else:
+            acc.add_(torch.bmm(probs.to(cd), c).float())
+        peak = new_peak
+    lse = peak + torch.log(denom)
+    return acc.div_(denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]), lse

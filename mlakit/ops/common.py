@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # scores computed at once are capped at this many elements (256 MB in fp32)
 SCORE_BUDGET = 1 << 26
+
+
+@functools.cache
+def _cpu_has_fast(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype matmuls run in: the storage dtype, or fp32 on a CPU without native 16-bit GEMMs.
+
+    Without AVX512-BF16/AMX, torch's bf16 GEMM on CPU runs a slow generic kernel (under 1 GFLOP/s
+    measured on a 2-core AVX2 EPYC); converting a block to fp32 and using the fp32 GEMM is far faster.
+    """
+    if torch.device(device).type == "cpu" and not _cpu_has_fast(dtype):
+        return torch.float32
+    return dtype
 
 
 def context_mask(

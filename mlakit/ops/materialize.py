@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlakit.ops.common import context_mask, query_chunk, softmax_lse
+from mlakit.ops.common import compute_dtype, context_mask, query_chunk, softmax_lse
 from mlakit.ops.merge import merge
 
 DEFAULT_WORKSPACE_TOKENS = 16384
@@ -33,14 +33,16 @@ def materialize(
     if workspace_tokens <= 0:
         raise ValueError(f"workspace_tokens must be > 0, got {workspace_tokens}")
     keys = int(kv_lens.max())
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, dn+dr]
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    w_uk, w_uv = w_uk.to(cd), w_uv.to(cd)
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     if keys <= workspace_tokens and not need_lse and not q.requires_grad:
-        k, v = expand(c_kv[:, :keys], k_pe[:, :keys], w_uk, w_uv)
-        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask), None
+        k, v = expand(c_kv[:, :keys].to(cd), k_pe[:, :keys].to(cd), w_uk, w_uv)
+        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask).to(q_nope.dtype), None
     outs, lses = [], []
     for start in range(0, keys, workspace_tokens):
         stop = min(keys, start + workspace_tokens)
-        k, v = expand(c_kv[:, start:stop], k_pe[:, start:stop], w_uk, w_uv)
+        k, v = expand(c_kv[:, start:stop].to(cd), k_pe[:, start:stop].to(cd), w_uk, w_uv)
         out, lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
         outs.append(out)
         lses.append(lse)

@@ -1,0 +1,66 @@
+"""mlakit cache: cache values and bytes per token, per model and per sequence, MLA against the rest."""
+
+from __future__ import annotations
+
+from mlakit.commands import emit_json
+from mlakit.commands.cost import add_model_args, check_tokens
+from mlakit.config import MLAConfig
+from mlakit.cost import CACHE_DTYPES, DEFAULT_GQA_GROUPS, cache_economics, format_bytes
+
+
+def register(sub) -> None:
+    p = sub.add_parser("cache", help="cache size per token and per sequence: MLA, expanded, MHA, GQA, MQA")
+    add_model_args(p)
+    p.add_argument("--dtype", choices=CACHE_DTYPES, default="bf16", help="cache dtype (bf16)")
+    p.add_argument(
+        "--gqa-groups",
+        default=",".join(map(str, DEFAULT_GQA_GROUPS)),
+        help="GQA group counts to compare, comma-separated; kept where they divide the heads (4,8)",
+    )
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: latent bytes per rank (1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: latent bytes per rank (1)")
+    p.set_defaults(func=run)
+
+
+def per_rank(cfg: MLAConfig, context: int, mla_bytes_per_token_per_layer: int, cp: int, tp: int) -> dict:
+    """MLA latent bytes per rank for one sequence (rank = c·tp + t): CP splits it, TP replicates it."""
+    from mlakit.distributed import per_rank_cache_bytes
+
+    value_bytes = mla_bytes_per_token_per_layer / cfg.latent_dim
+    ranks = per_rank_cache_bytes(cfg, context, value_bytes, cp=cp, tp=tp)
+    return {"cp": cp, "tp": tp, "mla_bytes_per_rank": ranks, "mla_bytes_max_rank": max(ranks)}
+
+
+def parse_groups(text: str) -> list[int]:
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gqa-groups must be comma-separated integers, got {text!r}") from None
+
+
+def run(args) -> int:
+    check_tokens("context", args.context, 0)
+    cfg = MLAConfig.resolve(args.model)
+    e = cache_economics(cfg, args.context, args.dtype, parse_groups(args.gqa_groups))
+    r = {"model": cfg.name, "context": args.context, "dtype": args.dtype, **e}
+    if args.cp != 1 or args.tp != 1:
+        r["per_rank"] = per_rank(cfg, args.context, e["bytes_per_token_per_layer"]["mla"], args.cp, args.tp)
+    if args.json:
+        emit_json(r)
+        return 0
+    print(f"{cfg.name}: {cfg.num_layers} layers, {args.dtype} cache, sequence of {args.context:,} tokens")
+    head = ("values/token/layer", "bytes/token/layer", "per token", "per sequence")
+    print(f"{'cache':<10} {head[0]:>19} {head[1]:>18} {head[2]:>11} {head[3]:>13}")
+    for name, values in r["values_per_token_per_layer"].items():
+        per_token, per_seq = (format_bytes(r[k][name]) for k in ("bytes_per_token", "bytes_per_sequence"))
+        print(
+            f"{name:<10} {values:>19,} {r['bytes_per_token_per_layer'][name]:>18,} "
+            f"{per_token:>11} {per_seq:>13}"
+        )
+    print(f"MLA caches as much as GQA with {r['mla_equivalent_gqa_groups']:.3g} groups at these head widths")
+    if "per_rank" in r:
+        pr = r["per_rank"]
+        shown = ", ".join(format_bytes(b) for b in pr["mla_bytes_per_rank"][:8])
+        more = " ..." if len(pr["mla_bytes_per_rank"]) > 8 else ""
+        print(f"per rank at cp={pr['cp']} tp={pr['tp']} (TP replicates the latent): {shown}{more}")
+    return 0

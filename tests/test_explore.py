@@ -1,0 +1,382 @@
+"""The explorer page: self-contained, fed inputs only, and equal to mlakit.cost in real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+
+import pytest
+
+from mlakit import cost
+from mlakit.config import PRESETS, MLAConfig
+from mlakit.explore import explorer_inputs, render_explorer, write_explorer
+
+CONTEXTS = (512, 4096, 65536, 1_000_000)
+WIDTH_FIELDS = (
+    "num_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_layers",
+)
+CUSTOM = {  # odd widths, and one with 2L < nope + v (no long-context crossover)
+    "odd": dict(
+        num_heads=6, kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16, num_layers=3
+    ),
+    "wide-heads": dict(
+        num_heads=4, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_layers=2
+    ),
+}
+
+
+def bench_results() -> dict:
+    """Synthetic timings for deepseek-v3 with a known shape: absorb grows faster with new tokens."""
+    rows = []
+    for batch, (fa, fm) in ((1, (1.0, 1.0)), (8, (8.0, 4.0))):
+        for cached in (1024, 4096, 32768):
+            k = cached / 1024
+            for new in (1, 4, 16, 64, 256, 1024):
+                a = fa * (0.05 + 0.002 * new * k)
+                m = fm * (0.5 * k + 0.0005 * new * k)
+                for backend, ms in (("mlakit-absorb", a), ("mlakit-materialize", m), ("mha", a / 2)):
+                    rows.append(
+                        dict(backend=backend, batch=batch, new=new, cached=cached, dtype="bf16", ms_median=ms)
+                    )
+    return {"schema": "mlakit-bench-results/1", "model": "deepseek-v3", "rows": rows}
+
+
+def preset_or_custom(name: str) -> MLAConfig:
+    if name in PRESETS:
+        return MLAConfig.preset(name)
+    return MLAConfig(hidden_size=64, q_lora_rank=None, **CUSTOM[name])
+
+
+# --- the file itself (no browser needed)
+
+
+def test_page_is_self_contained():
+    html = render_explorer(bench_results())
+    assert re.findall(r"https?://[^\s\"')]+", html) == [
+        "http://www.w3.org/2000/svg"
+    ]  # a namespace, never fetched
+    assert not re.search(r"<script[^>]*\bsrc=|<link(?![^>]*href=\"data:)|@import|url\(", html)
+    assert html.count("</script>") == 2
+
+
+def test_writer_sends_inputs_not_figures():
+    inputs = explorer_inputs()
+    assert set(inputs) == {
+        "presets",
+        "start",
+        "context_range",
+        "new_range",
+        "gqa_groups",
+        "cache_format",
+        "bench",
+    }
+    assert set(inputs["presets"]) == set(PRESETS)
+    for widths in inputs["presets"].values():
+        assert set(widths) == set(WIDTH_FIELDS)
+    assert inputs["start"] == {"model": "deepseek-v3", "context": 4096}
+    html = render_explorer()
+    for figure in ("163.8", "170.6", "70272", "70,272", "40960"):  # what the page shows on opening
+        assert figure not in html
+
+
+def test_bench_json_cannot_close_the_script():
+    results = {"rows": [dict(backend="</script><b>", batch=1, new=1, cached=1, dtype="bf16", ms_median=1.0)]}
+    html = render_explorer(results)
+    assert html.count("</script>") == 2 and "<\\/script><b>" in html
+
+
+# --- in headless Chromium
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.fixture(scope="module")
+def driver():
+    found = _chromium()
+    if found is None:
+        pytest.skip(
+            "headless Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does)"
+        )
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="selenium is not installed (pip install -e .[dev])"
+    )
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="mlakit-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = found[0]
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1100,1800",
+    ):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    d = webdriver.Chrome(options=opts, service=Service(found[1]))
+    yield d
+    d.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def page_url(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("explore")
+    results = folder / "results.json"
+    results.write_text(json.dumps(bench_results()))
+    return "file://" + write_explorer(str(folder / "page.html"), str(results))
+
+
+@pytest.fixture
+def page(driver, page_url):
+    driver.get(page_url)
+    yield driver
+    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    assert errors == [], f"console errors: {errors}"
+
+
+def set_control(d, element_id: str, value) -> None:
+    """What a user's edit does: set the value, then fire input and change."""
+    d.execute_script(
+        "const el = document.getElementById(arguments[0]); el.value = arguments[1];"
+        "for (const kind of ['input', 'change']) el.dispatchEvent(new Event(kind, {bubbles: true}));",
+        element_id,
+        str(value),
+    )
+
+
+def choose_model(d, name: str) -> None:
+    if name in PRESETS:
+        set_control(d, "model", name)
+        return
+    set_control(d, "model", "custom")
+    for field, value in CUSTOM[name].items():
+        set_control(d, f"custom-{field}", value)
+
+
+READ = """
+const v = (id) => document.getElementById(id).dataset.value;
+const rows = {};
+for (const tr of document.querySelectorAll('#cache-body tr')) {
+  const r = {};
+  for (const td of tr.children) r[td.className] = {value: td.dataset.value, text: td.textContent};
+  rows[tr.dataset.kind] = r;
+}
+const marker = document.getElementById('crossover-marker');
+return {
+  exact: v('crossover-exact'), limit: v('crossover-limit'),
+  exact_text: document.getElementById('crossover-exact').textContent,
+  limit_text: document.getElementById('crossover-limit').textContent,
+  rows: rows, gqa_equivalent: v('gqa-equivalent'), error: document.getElementById('error').textContent,
+  materialize_d: document.getElementById('line-materialize').getAttribute('d'),
+  absorb_d: document.getElementById('line-absorb').getAttribute('d'),
+  marker_new: marker.dataset.new,
+  marker_x: marker.querySelector('line') ? marker.querySelector('line').getAttribute('x1') : null,
+  kinds: [...document.querySelectorAll('#cache-body tr')].map((tr) => tr.dataset.kind),
+  measured: v('crossover-measured'), predicted: v('crossover-predicted'), bench_cached: v('bench-cached'),
+  measured_lines: document.querySelectorAll('[id^=line-measured-]').length,
+  context: document.getElementById('context').value, model: document.getElementById('model').value,
+};
+"""
+
+
+def read(d) -> dict:
+    return d.execute_script(READ)
+
+
+def as_number(text: str) -> float | None:
+    return None if text == "none" else float(text)
+
+
+def assert_tokens(name: str, got_value: str, got_text: str, want: float | None) -> None:
+    if want is None:
+        assert got_value == "none" and got_text == "none", (
+            f"{name}: got {got_value!r} / {got_text!r}, want none"
+        )
+        return
+    got = as_number(got_value)
+    assert abs(got - want) <= 1e-9 * max(abs(want), 1.0), f"{name}: got {got!r}, want {want!r}"
+    shown = float(got_text.removesuffix(" tokens"))
+    assert abs(shown - want) <= 0.05 + 1e-9, f"{name}: shows {got_text!r}, want {want:.1f}"
+
+
+@pytest.mark.browser
+def test_opens_on_deepseek_v3_at_4096(page):
+    s = read(page)
+    assert (s["model"], s["context"]) == ("deepseek-v3", "4096")
+    assert s["exact_text"] == "163.8 tokens" and s["limit_text"] == "170.7 tokens"
+    assert s["rows"]["mla"]["bytes-per-token"]["text"] == "70.3 kB"
+    assert s["rows"]["mla"]["values"]["text"] == "576" and s["rows"]["expanded"]["values"]["text"] == "40,960"
+    assert float(s["marker_new"]) == pytest.approx(163.84)
+
+
+@pytest.mark.browser
+def test_crossover_box_equals_cost_over_a_grid(page):
+    for name in [*PRESETS, *CUSTOM]:
+        choose_model(page, name)
+        cfg = preset_or_custom(name)
+        for context in CONTEXTS:
+            set_control(page, "context", context)
+            for model in cost.MODELS:
+                set_control(page, "counting", model)
+                s = read(page)
+                want = cost.crossover(cfg, context, model)
+                where = f"{name} at {context} ({model})"
+                assert s["error"] == "", where
+                assert_tokens(f"exact, {where}", s["exact"], s["exact_text"], want.exact)
+                assert_tokens(f"limit, {where}", s["limit"], s["limit_text"], want.asymptotic)
+                assert s["marker_new"] == ("none" if want.exact is None else s["exact"])
+    set_control(page, "counting", "independent")
+
+
+@pytest.mark.browser
+def test_cache_panel_equals_cost_over_a_grid(page):
+    for name in [*PRESETS, *CUSTOM]:
+        choose_model(page, name)
+        cfg = preset_or_custom(name)
+        for context in (512, 1_000_000):
+            set_control(page, "context", context)
+            for dtype in cost.CACHE_DTYPES:
+                set_control(page, "dtype", dtype)
+                s = read(page)
+                rows = s["rows"]
+                want = cost.cache_economics(cfg, context, dtype, gqa_groups=(8,))
+                assert s["kinds"] == list(want["values_per_token_per_layer"]), f"{name} {dtype}"
+                for kind, r in rows.items():
+                    where = f"{name} {kind} {dtype} at {context}"
+                    assert int(r["values"]["value"]) == want["values_per_token_per_layer"][kind], where
+                    assert (
+                        int(r["bytes-per-token-per-layer"]["value"])
+                        == want["bytes_per_token_per_layer"][kind]
+                    ), where
+                    for key in ("bytes_per_token", "bytes_per_sequence"):
+                        cell = r[key.replace("_", "-")]
+                        assert int(cell["value"]) == want[key][kind], where
+                        assert cell["text"] == cost.format_bytes(want[key][kind]), where
+
+
+@pytest.mark.browser
+def test_gqa_groups_and_equivalence(page):
+    set_control(page, "context", 4096)
+    s = read(page)
+    assert float(s["gqa_equivalent"]) == 2.25
+    set_control(page, "gqa-groups", 3)  # 128 heads: 3 does not divide them
+    s = read(page)
+    assert "gqa3" not in s["rows"] and "gqa8" not in s["rows"]
+    assert "not defined" in page.find_element("id", "gqa-note").text
+    set_control(page, "gqa-groups", 16)
+    want = cost.cache_economics(MLAConfig.preset("deepseek-v3"), 4096, "bf16", gqa_groups=(16,))
+    assert (
+        int(read(page)["rows"]["gqa16"]["bytes-per-sequence"]["value"]) == want["bytes_per_sequence"]["gqa16"]
+    )
+    choose_model(page, "glm-5")
+    assert float(read(page)["gqa_equivalent"]) == pytest.approx(576 / 448)
+
+
+@pytest.mark.browser
+def test_moving_the_controls_updates_box_and_chart(page):
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    before = read(page)
+    Select(page.find_element("id", "model")).select_by_value("glm-5")
+    glm = read(page)
+    assert_tokens(
+        "glm-5", glm["exact"], glm["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 4096).exact
+    )
+    assert glm["limit_text"] == "398.2 tokens"
+    assert glm["materialize_d"] != before["materialize_d"] and glm["marker_x"] != before["marker_x"]
+
+    slider = page.find_element("id", "context-slider")
+    for _ in range(50):
+        slider.send_keys(Keys.ARROW_RIGHT)  # 50 steps of 0.01 in log2: context × 2^0.5
+    moved = read(page)
+    context = int(moved["context"])
+    assert context == round(2 ** (12 + 0.5))
+    assert_tokens(
+        "slider",
+        moved["exact"],
+        moved["exact_text"],
+        cost.crossover(MLAConfig.preset("glm-5"), context).exact,
+    )
+    assert moved["absorb_d"] != glm["absorb_d"]
+
+    box = page.find_element("id", "context")
+    box.clear()
+    box.send_keys("65536")
+    typed = read(page)
+    assert typed["context"] == "65536"
+    assert_tokens(
+        "typed", typed["exact"], typed["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 65536).exact
+    )
+
+    page.find_element("id", "custom-kv_lora_rank").send_keys(Keys.BACKSPACE * 3, "1024")
+    custom = read(page)
+    assert custom["model"] == "custom"
+    wide = MLAConfig.preset("glm-5").replace(kv_lora_rank=1024, name="custom")
+    assert_tokens("custom latent", custom["exact"], custom["exact_text"], cost.crossover(wide, 65536).exact)
+
+
+@pytest.mark.browser
+def test_bad_input_says_so_and_keeps_the_figures(page):
+    good = read(page)
+    set_control(page, "context", 100)
+    bad = read(page)
+    assert "context must be a whole number of tokens from 512" in bad["error"]
+    assert bad["exact"] == good["exact"]
+    set_control(page, "context", 4096)
+    set_control(page, "custom-qk_rope_head_dim", 3)
+    assert "qk_rope_head_dim must be even" in read(page)["error"]
+
+
+@pytest.mark.browser
+def test_bench_overlay_equals_measured_crossover(page):
+    rows = cost.validate_results(bench_results())["rows"]
+    v3 = MLAConfig.preset("deepseek-v3")
+    for context, batch, cached in ((4096, 1, 4096), (700, 1, 1024), (30000, 8, 32768)):
+        set_control(page, "bench-batch", batch)
+        set_control(page, "context", context)
+        s = read(page)
+        assert int(s["bench_cached"]) == cached
+        want = cost.measured_crossover(rows, cached, batch, "bf16")
+        assert want is not None and 1 < want < 16384
+        assert math.isclose(float(s["measured"]), want, rel_tol=1e-9), (context, batch)
+        assert math.isclose(float(s["predicted"]), cost.crossover(v3, cached).exact, rel_tol=1e-9)
+        assert s["measured_lines"] == 2
+    choose_model(page, "kimi-k2")  # measured on deepseek-v3: the overlay steps aside
+    s = read(page)
+    assert s["measured_lines"] == 0 and s["measured"] == "none"
+    assert "deepseek-v3" in page.find_element("id", "bench-note").text
+
+
+@pytest.mark.browser
+def test_page_without_bench_hides_the_panel(driver, tmp_path):
+    driver.get("file://" + write_explorer(str(tmp_path / "plain.html")))
+    assert not driver.find_element("id", "bench").is_displayed()
+    assert read(driver)["exact_text"] == "163.8 tokens"
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_ci_installs_chromium():
+    with open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run"), encoding="utf-8") as f:
+        text = f.read()
+    assert "chromium" in text and "chromium-driver" in text
