@@ -66,7 +66,7 @@ class CrossoverProfile:
         return x0 + w * (x1 - x0)
 
     def decide(self, cfg: MLAConfig, new: int, context: int) -> str | None:
-        """"absorb" / "materialize" from the measurement, or None where it does not apply."""
+        """ "absorb" / "materialize" from the measurement, or None where it does not apply."""
         if widths_of(cfg) != self.widths:
             return None
         point = self.crossover_at(context)
@@ -133,7 +133,9 @@ def profile_path(cfg: MLAConfig, dtype: str, device: str, folder: str | None = N
     return os.path.join(folder or cache_dir(), f"crossover-{tag}-{dtype}-{device}.json")
 
 
-def find_profile(cfg: MLAConfig, dtype: str, device: str, folder: str | None = None) -> CrossoverProfile | None:
+def find_profile(
+    cfg: MLAConfig, dtype: str, device: str, folder: str | None = None
+) -> CrossoverProfile | None:
     """The saved profile for these widths, dtype and device type, or None."""
     path = profile_path(cfg, dtype, device, folder)
     if not os.path.isfile(path):

@@ -15,6 +15,8 @@ COMMAND_MODULES = (
     "cost",
     "explore",
     "cp_check",
+    "bench",
+    "calibrate",
 )
 
 

@@ -105,7 +105,9 @@ def projections_step(ctx: BenchContext, cell: Cell, x: CellInputs) -> Step:
     step's time, they leave its attention core."""
     layer = ctx.layer
     positions = (cell.cached + torch.arange(cell.new, device=ctx.device))[None].expand(cell.batch, -1)
-    attn = torch.zeros(cell.batch, cell.new, ctx.cfg.num_heads * ctx.cfg.v_head_dim, dtype=ctx.dtype, device=ctx.device)
+    attn = torch.zeros(
+        cell.batch, cell.new, ctx.cfg.num_heads * ctx.cfg.v_head_dim, dtype=ctx.dtype, device=ctx.device
+    )
 
     def run() -> torch.Tensor:
         layer.project(x.hidden, positions)

@@ -60,7 +60,12 @@ class BenchContext:
         if self._kv is None:
             cfg = self.cfg
             self._kv = KVWeights.random(
-                cfg.hidden_size, cfg.num_heads, cfg.v_head_dim, dtype=self.dtype, device=self.device, seed=self.seed
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.v_head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                seed=self.seed,
             )
         return self._kv
 

@@ -66,7 +66,9 @@ class HFLayer:
             raise ValueError(f"transformers layer does not match: missing {missing}, unexpected {unexpected}")
         self.attn = attn.eval()
         self.rotary = DeepseekV3RotaryEmbedding(self.config).to(layer.device)
-        self._cache_kw = "cache" if "cache" in inspect.signature(attn.forward).parameters else "past_key_values"
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(attn.forward).parameters else "past_key_values"
+        )
 
     def new_cache(self, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """A DynamicCache holding `c_kv` [B,T,L] and `k_pe` [B,T,dr] as transformers stores them."""

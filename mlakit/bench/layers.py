@@ -41,7 +41,11 @@ def einsum_absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, scale):
     softmax in fp32 and cast back. The baseline an optimized absorb has to beat. Returns (out, None)."""
     batch, new = q_nope.shape[:2]
     keys = int(kv_lens.max())
-    c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
+    # everything in the weights' dtype: the compute dtype the layer hands its ops (fp32 for bf16 on a
+    # CPU without bf16 GEMMs), so the baseline differs from mlakit's absorb in method, not in kernels
+    cd, out_dtype = w_uk.dtype, q_nope.dtype
+    q_nope, q_pe = q_nope.to(cd), q_pe.to(cd)
+    c_kv, k_pe = c_kv[:, :keys].to(cd), k_pe[:, :keys].to(cd)
     q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
     scores = torch.einsum("bshc,btc->bsht", q_lat, c_kv) + torch.einsum("bshr,btr->bsht", q_pe, k_pe)
     scores = scores * scale  # [B, S, H, T]
@@ -51,4 +55,4 @@ def einsum_absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, scale):
         scores = scores.masked_fill(hidden.to(scores.device)[:, :, None, :], float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_nope)
     o_lat = torch.einsum("bsht,btc->bshc", probs, c_kv)
-    return torch.einsum("bshc,hdc->bshd", o_lat, w_uv), None
+    return torch.einsum("bshc,hdc->bshd", o_lat, w_uv).to(out_dtype), None

@@ -27,7 +27,7 @@ class Sweep:
 
 def gate(ctx: BenchContext, grid: Grid, backends: list[Backend]) -> tuple[list[Backend], list[Verdict]]:
     """The backends that agree with their oracle (or have none), and every verdict."""
-    cells = gate_cells(min(grid.batch[-1], 2), grid.context[0])
+    cells = gate_cells(min(grid.batch[-1], 2), grid.context[-1])
     oracles: dict = {}
     passed, verdicts = [], []
     for b in backends:
@@ -62,7 +62,7 @@ def run_sweep(
             timed: dict[str, dict] = {}
             for b in (b for b in passed if runs_at(b, cell, grid)):
                 bar.set_postfix_str(f"{b.name} {cell.label}")
-                row = _reuse_for_auto(ctx, cell, grid, b, timed) or _time(ctx, cell, x, b, timing)
+                row = _reuse_for_auto(ctx, cell, grid, b, timed) or time_cell(ctx, cell, x, b, timing)
                 timed[b.name] = row
                 out.rows.append(row)
                 bar.update()
@@ -73,7 +73,8 @@ def run_sweep(
     return out
 
 
-def _time(ctx: BenchContext, cell: Cell, x, backend: Backend, timing: Timing) -> dict:
+def time_cell(ctx: BenchContext, cell: Cell, x, backend: Backend, timing: Timing) -> dict:
+    """Prepare `backend` on the cell's inputs, time its step, and return the row."""
     with torch.inference_mode():
         step = backend.prepare(ctx, cell, x)
         stats = time_step(step, ctx.device, timing)

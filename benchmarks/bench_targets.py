@@ -1,0 +1,219 @@
+"""The issue's speed targets that compare mlakit with other implementations, side by side in one run.
+
+At DeepSeek-V3 widths (default bf16), each after the bench's correctness gate:
+  1. absorbed decode step (whole layer) at 16K cached, batch 1: >= 100x faster than transformers'
+     DeepseekV3Attention + DynamicCache decode step (it re-expands every cached latent);
+  2. absorbed decode step at 8K cached, batch 8: >= 1.3x faster than the straightforward einsum absorb;
+  3. materialize prefill of 4K new tokens on an empty cache (the op): within 1.3x of SDPA on the
+     already-expanded K/V plus the expansion matmuls alone (both in the dtype mlakit computes in);
+  4. absorbed decode step at 32K cached, batch 1: peak resident memory grows by < 300 MB.
+
+Prints a table and writes nothing unless --json. Timings on a shared machine are noisy: medians.
+
+    python benchmarks/bench_targets.py [--dtype bf16|fp32] [--threads N] [--only 1,2,3,4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mlakit.bench.backends import BACKENDS
+from mlakit.bench.context import DTYPES, BenchContext
+from mlakit.bench.grid import Cell, Grid
+from mlakit.bench.results import environment
+from mlakit.bench.run import torch_threads
+from mlakit.bench.sweep import gate, time_cell
+from mlakit.bench.timing import Timing
+from mlakit.config import MLAConfig
+from mlakit.ops import materialize
+from mlakit.ops.common import compute_dtype
+from mlakit.ops.materialize import expand
+
+# slow calls (over the budget) are timed once, fast ones up to five times
+TIMING = Timing(warmup=1, repeats=5, min_repeats=1, budget_s=2.0)
+
+
+def seconds(fn, repeats: int = 3) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def speedup(ctx: BenchContext, cell: Cell, faster: str, slower: str) -> dict:
+    x = ctx.inputs(cell)
+    rows = {b: time_cell(ctx, cell, x, BACKENDS[b], TIMING) for b in (faster, slower)}
+    return {
+        "cell": cell.label,
+        f"{faster}_ms": rows[faster]["ms_median"],
+        f"{slower}_ms": rows[slower]["ms_median"],
+        "calls": {b: r["repeats"] for b, r in rows.items()},
+        "value": rows[slower]["ms_median"] / rows[faster]["ms_median"],
+    }
+
+
+def target_transformers(ctx: BenchContext) -> dict:
+    out = speedup(ctx, Cell(1, 16384, 1), "mlakit-absorb", "transformers")
+    return {
+        "target": "absorbed decode vs transformers, 16K, batch 1",
+        "need": ">= 100x",
+        "ok": out["value"] >= 100,
+        **out,
+    }
+
+
+def target_einsum(ctx: BenchContext) -> dict:
+    out = speedup(ctx, Cell(8, 8192, 1), "mlakit-absorb", "einsum-absorb")
+    return {
+        "target": "absorbed decode vs einsum absorb, 8K, batch 8",
+        "need": ">= 1.3x",
+        "ok": out["value"] >= 1.3,
+        **out,
+    }
+
+
+def target_prefill(ctx: BenchContext, new: int = 4096) -> dict:
+    """mlakit's materialize op on a 4K prefill vs its two ideal parts timed alone."""
+    cfg, layer = ctx.cfg, ctx.layer
+    # the op's inputs drawn directly: projecting 4K tokens first would cost more than the op itself
+    gen = ctx.generator(Cell(1, 0, new))
+    q_nope = ctx.randn(1, new, cfg.num_heads, cfg.qk_nope_head_dim, gen=gen)
+    q_pe = ctx.randn(1, new, cfg.num_heads, cfg.qk_rope_head_dim, gen=gen)
+    c_kv = ctx.randn(1, new, cfg.kv_lora_rank, gen=gen)
+    k_pe = ctx.randn(1, new, cfg.qk_rope_head_dim, gen=gen)
+    with torch.inference_mode():
+        w_uk, w_uv = layer.up_weights()
+        lens = torch.tensor([new])
+        op = seconds(
+            lambda: materialize(q_nope, q_pe, c_kv, k_pe, lens, w_uk, w_uv, layer.scale, need_lse=False), 2
+        )
+        cd = compute_dtype(ctx.dtype, ctx.device)
+        c, kp, wk, wv = c_kv.to(cd), k_pe.to(cd), w_uk.to(cd), w_uv.to(cd)
+        heads, dn, latent = wk.shape
+        expansion = seconds(
+            lambda: (F.linear(c, wk.reshape(-1, latent)), F.linear(c, wv.reshape(-1, latent))), 2
+        )
+        k, v = (t.contiguous() for t in expand(c, kp, wk, wv))
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd).contiguous()
+        sdpa = seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale), 2)
+    ratio = op / (expansion + sdpa)
+    return {
+        "target": f"materialize prefill {new} tokens vs SDPA + expansion alone",
+        "need": "<= 1.3x",
+        "ok": ratio <= 1.3,
+        "value": ratio,
+        "materialize_ms": 1e3 * op,
+        "expansion_ms": 1e3 * expansion,
+        "sdpa_ms": 1e3 * sdpa,
+        "compute_dtype": str(cd),
+    }
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def current_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmRSS in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    # writing 5 resets the peak RSS (VmHWM) of the process to its current RSS (Linux >= 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def target_memory(ctx: BenchContext, cached: int = 32768) -> dict:
+    cell = Cell(1, cached, 1)
+    x = ctx.inputs(cell)
+    with torch.inference_mode():
+        step = BACKENDS["mlakit-absorb"].prepare(ctx, cell, x)
+        step.reset()
+        step.run()  # warm: derived weights, rope tables
+        step.reset()
+        before = current_rss()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        step.run()
+        ms = 1e3 * (time.perf_counter() - t0)
+        growth = peak_rss() - before
+    return {
+        "target": f"absorbed decode peak RSS growth, {cached // 1024}K, batch 1",
+        "need": "< 300 MB",
+        "ok": growth < 300e6,
+        "value": growth / 1e6,
+        "step_ms": ms,
+        "cache_mb": (x.c_kv.numel() + x.k_pe.numel()) * x.c_kv.element_size() / 1e6,
+    }
+
+
+TARGETS = {1: target_transformers, 2: target_einsum, 3: target_prefill, 4: target_memory}
+UNITS = {1: "x", 2: "x", 3: "x", 4: " MB"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--model", default="deepseek-v3")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--only", default="1,2,3,4", help="targets to run (default all)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    chosen = [int(t) for t in args.only.split(",")]
+    with torch_threads(args.threads):
+        ctx = BenchContext(MLAConfig.resolve(args.model), DTYPES[args.dtype], "cpu")
+        names = ["mlakit-absorb", "transformers", "einsum-absorb"]
+        passed, verdicts = gate(ctx, Grid((1, 8), (8192,), (1,)), [BACKENDS[n] for n in names])
+        bad = [v for v in verdicts if not v.ok]
+        if bad:
+            print(f"gate failed: {[(v.backend, v.error) for v in bad]}", file=sys.stderr)
+            return 1
+        results = []
+        for t in chosen:
+            print(f"target {t} ...", file=sys.stderr, flush=True)
+            results.append({"id": t, **TARGETS[t](ctx)})
+        env = environment(ctx)
+    if args.json:
+        json.dump(
+            {"model": ctx.cfg.name, "dtype": args.dtype, "env": env, "targets": results}, sys.stdout, indent=1
+        )
+        print()
+        return 0
+    v = env["versions"]
+    print(
+        f"{ctx.cfg.name}, {args.dtype}, {env['device_name']}, {env['threads']} threads, torch {v['torch']}, "
+        f"transformers {v.get('transformers')}; medians, shared machine"
+    )
+    for r in results:
+        mark = "met" if r["ok"] else "NOT met"
+        print(f"{r['id']}. {r['target']}: {r['value']:.2f}{UNITS[r['id']]} (need {r['need']}): {mark}")
+        details = {
+            k: (round(val, 1) if isinstance(val, float) else val)
+            for k, val in r.items()
+            if k not in ("id", "target", "need", "ok", "value")
+        }
+        print(f"   {details}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

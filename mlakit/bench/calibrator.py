@@ -1,0 +1,144 @@
+"""Calibrate: this machine's peaks (mlakit.profile) and the measured crossover per context, saved as a
+CrossoverProfile that `mode="auto"` follows.
+
+Per context the new-token count grows by `step`× from 1 while absorb is faster, stops once
+materialize has won at two counts in a row (or at `max_new`), and one more count is timed at the
+geometric middle of the bracket; the crossover is read from those times like the bench's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mlakit.bench.backends import BACKENDS, PATHS
+from mlakit.bench.context import DTYPES, BenchContext
+from mlakit.bench.grid import Cell, Grid
+from mlakit.bench.progress import progress
+from mlakit.bench.run import torch_threads
+from mlakit.bench.sweep import gate, time_cell
+from mlakit.bench.timing import DEFAULT_TIMING, Timing
+from mlakit.calibration import CrossoverProfile, profile_path, widths_of
+from mlakit.config import MLAConfig
+from mlakit.cost import measured_crossover
+
+ABSORB, MATERIALIZE = PATHS["absorb"], PATHS["materialize"]
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    model: str | MLAConfig = "deepseek-v3"
+    dtype: str = "fp32"
+    device: str = "cpu"
+    batch: int = 1
+    contexts: tuple[int, ...] = (256, 1024, 4096)
+    max_new: int = 512
+    step: int = 4  # new-token counts 1, step, step², ... up to max_new
+    timing: Timing = DEFAULT_TIMING
+    measure_machine: bool = True
+    progress: bool = True
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None: torch's setting
+
+
+QUICK_CONTEXTS = (256, 1024)
+
+
+def calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
+    """Measure and return the profile and the timed rows (nothing is written here)."""
+    with torch_threads(opts.threads):
+        return _calibrate(opts)
+
+
+def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
+    if opts.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+    if opts.step < 2 or opts.max_new < 1 or opts.batch < 1 or not opts.contexts:
+        raise ValueError(f"calibrate needs step >= 2, max_new >= 1, batch >= 1 and contexts, got {opts}")
+    cfg = MLAConfig.resolve(opts.model)
+    machine = _machine(opts.device) if opts.measure_machine else None
+    ctx = BenchContext(cfg, DTYPES[opts.dtype], opts.device, seed=opts.seed)
+    paths = [BACKENDS[ABSORB], BACKENDS[MATERIALIZE]]
+    passed, verdicts = gate(ctx, Grid((opts.batch,), tuple(opts.contexts), (1,)), paths)
+    failed = [v for v in verdicts if not v.ok]
+    if failed:
+        raise ValueError(f"calibrate: {failed[0].backend} disagrees with the reference: {failed[0].error}")
+    rows: list[dict] = []
+    bar = progress(len(opts.contexts), "mlakit calibrate", opts.progress)
+    try:
+        for cached in sorted(set(opts.contexts)):
+            rows += _search(ctx, opts, cached, bar)
+            bar.update()
+    finally:
+        bar.close()
+    points = tuple(
+        (t, measured_crossover(rows, t, opts.batch, opts.dtype)) for t in sorted(set(opts.contexts))
+    )
+    profile = CrossoverProfile(
+        model=cfg.name,
+        widths=widths_of(cfg),
+        dtype=opts.dtype,
+        device=torch.device(opts.device).type,
+        points=points,
+        max_new=max(r["new"] for r in rows),
+        machine=None if machine is None else machine.to_dict(),
+        extra=_extra(opts, rows),
+    )
+    return profile, rows
+
+
+def _machine(device: str):
+    from mlakit.profile import measure_machine
+
+    return measure_machine(device)
+
+
+def _search(ctx: BenchContext, opts: CalibrateOptions, cached: int, bar) -> list[dict]:
+    """Both paths at 1, step, step², ... until materialize wins twice; then the bracket's middle."""
+    rows, wins, n = [], 0, 1
+    counts = []
+    while n <= opts.max_new and wins < 2:
+        bar.set_postfix_str(f"cached {cached}, new {n}")
+        pair = _time_pair(ctx, Cell(opts.batch, cached, n), opts.timing)
+        rows += pair
+        counts.append(n)
+        wins = wins + 1 if pair[1]["ms_median"] <= pair[0]["ms_median"] else 0
+        n *= opts.step
+    cross = measured_crossover(rows, cached, opts.batch, opts.dtype)
+    if cross is not None and cross > 1:
+        above = min(c for c in counts if c >= cross)
+        mid = round(math.sqrt(above * max(c for c in counts if c < above)))
+        if mid not in counts:
+            rows += _time_pair(ctx, Cell(opts.batch, cached, mid), opts.timing)
+    return rows
+
+
+def _time_pair(ctx: BenchContext, cell: Cell, timing: Timing) -> list[dict]:
+    x = ctx.inputs(cell)
+    return [time_cell(ctx, cell, x, BACKENDS[name], timing) for name in (ABSORB, MATERIALIZE)]
+
+
+def _extra(opts: CalibrateOptions, rows: list[dict]) -> dict:
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "batch": opts.batch,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": [
+            {k: r[k] for k in ("backend", "batch", "new", "cached", "dtype", "ms_median", "ms_min", "ms_max")}
+            for r in rows
+        ],
+    }
+
+
+def output_path(out: str | None, cfg: MLAConfig, dtype: str, device: str) -> str:
+    """--out as a .json file, or as a folder for the standard name; default the user's cache folder."""
+    device = torch.device(device).type
+    if out is None:
+        return profile_path(cfg, dtype, device)
+    if out.endswith(".json"):
+        return out
+    return profile_path(cfg, dtype, device, folder=out)

@@ -1,0 +1,106 @@
+"""What the rows say: the crossover per context (measured, FLOP model, roofline), absorb's speedups
+and % of peak at decode, and auto's regret."""
+
+from __future__ import annotations
+
+from mlakit.config import MLAConfig
+from mlakit.cost import MachineProfile, crossover, measured_crossover, roofline_crossover
+
+ABSORB, MATERIALIZE, AUTO = "mlakit-absorb", "mlakit-materialize", "mlakit-auto"
+PROJECTIONS = "mlakit-projections"
+SELF = (ABSORB, PROJECTIONS)  # not compared with absorb: absorb itself, and a part of its step
+PATH_BACKEND = {"absorb": ABSORB, "materialize": MATERIALIZE}
+REGRET_LIMIT = 0.05  # auto counts as right within 5% of the faster path
+REGRET_TARGET = 0.95  # ... in at least 95% of the cells
+
+
+def index(rows: list[dict]) -> dict:
+    return {(r["backend"], r["batch"], r["cached"], r["new"]): r for r in rows}
+
+
+def crossovers(cfg: MLAConfig, rows, dtype: str, machine: MachineProfile | None) -> list[dict]:
+    out = []
+    for batch, cached in sorted({(r["batch"], r["cached"]) for r in rows if r["backend"] == ABSORB}):
+        out.append(
+            {
+                "batch": batch,
+                "context": cached,
+                "measured": measured_crossover(rows, cached, batch, dtype),
+                "measured_max_new": max(r["new"] for r in rows if r["cached"] == cached),
+                "flop_model": crossover(cfg, cached, "causal").exact,
+                "roofline": None
+                if machine is None
+                else roofline_crossover(cfg, cached, machine, dtype, "causal", max_new=1 << 20),
+            }
+        )
+    return out
+
+
+def decode(rows: list[dict], new: int) -> list[dict]:
+    """Per (batch, cached) at the decode count: absorb's time, every backend's time over absorb's."""
+    at = index(rows)
+    out = []
+    for (name, batch, cached, n), row in sorted(at.items(), key=lambda kv: kv[0][1:]):
+        if name != ABSORB or n != new:
+            continue
+        same = [r for r in rows if (r["batch"], r["cached"], r["new"]) == (batch, cached, n)]
+        others = {r["backend"]: r["ms_median"] / row["ms_median"] for r in same if r["backend"] not in SELF}
+        proj = next((r["ms_median"] for r in same if r["backend"] == PROJECTIONS), None)
+        out.append(
+            {
+                "batch": batch,
+                "context": cached,
+                "new": n,
+                "absorb_ms": row["ms_median"],
+                "projections_ms": proj,
+                "absorb_core_ms": row.get("core_ms"),
+                "slower_than_absorb": others,
+                "absorb_pct_peak_flops": row.get("pct_peak_flops"),
+                "absorb_pct_peak_bandwidth": row.get("pct_peak_bandwidth"),
+                "absorb_core_pct_peak_flops": row.get("core_pct_peak_flops"),
+                "absorb_roofline_fraction": _ratio(row.get("roofline_ms"), row["ms_median"]),
+            }
+        )
+    return out
+
+
+def _ratio(num, den):
+    return None if num is None or not den else num / den
+
+
+def auto_regret(rows: list[dict], source: str) -> dict:
+    """Over cells with both paths timed: time of the path auto picked over the faster path's."""
+    at = index(rows)
+    cells, good, misses = 0, 0, []
+    for (name, batch, cached, n), row in at.items():
+        a, m = at.get((ABSORB, batch, cached, n)), at.get((MATERIALIZE, batch, cached, n))
+        if name != AUTO or a is None or m is None or "path" not in row:
+            continue
+        best = min(a["ms_median"], m["ms_median"])
+        picked = at[(PATH_BACKEND[row["path"]], batch, cached, n)]["ms_median"]
+        regret = picked / best - 1
+        cells += 1
+        if regret <= REGRET_LIMIT:
+            good += 1
+        else:
+            misses.append(
+                {"batch": batch, "context": cached, "new": n, "picked": row["path"], "regret": regret}
+            )
+    fraction = good / cells if cells else None
+    return {
+        "cells": cells,
+        "within_5pct": good,
+        "fraction": fraction,
+        "target": REGRET_TARGET,
+        "meets_target": None if fraction is None else fraction >= REGRET_TARGET,
+        "decided_by": source,
+        "misses": misses,
+    }
+
+
+def summarize(cfg, rows, dtype: str, machine, decode_new: int, auto_source: str) -> dict:
+    return {
+        "crossover": crossovers(cfg, rows, dtype, machine),
+        "decode": decode(rows, decode_new),
+        "auto": auto_regret(rows, auto_source),
+    }

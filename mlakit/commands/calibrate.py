@@ -1,0 +1,73 @@
+"""mlakit calibrate: measure this machine's peaks and crossover; save the profile "auto" follows."""
+
+from __future__ import annotations
+
+from mlakit.commands import emit_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure peak matmul rate, bandwidth and the crossover here; save the profile auto uses",
+        description="Measures, for a model's widths, dtype and device, the peak matmul rate and memory "
+        "bandwidth and where absorb and materialize cross at a few contexts; saves a JSON profile "
+        "(default: the user's cache folder, $MLAKIT_CACHE_DIR or $XDG_CACHE_HOME/mlakit or "
+        "~/.cache/mlakit) that mode='auto' follows for matching layers.",
+    )
+    p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: as mlakit bench picks for the device")
+    p.add_argument("--device", help="cpu or cuda[:i] (default: cuda when available)")
+    p.add_argument("--context", help="comma-separated cached tokens (default 256,1024,4096)")
+    p.add_argument("--max-new", type=int, default=512, help="largest new-token count tried (default 512)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's); use what inference will use"
+    )
+    p.add_argument("--out", help="profile file (.json) or folder (default: the user's cache folder)")
+    p.add_argument("--quick", action="store_true", help="two contexts, fewer repeats")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mlakit.bench.calibrator import QUICK_CONTEXTS, CalibrateOptions, calibrate, output_path
+    from mlakit.bench.grid import parse_ints
+    from mlakit.bench.run import default_device, default_dtype
+    from mlakit.bench.timing import DEFAULT_TIMING, QUICK_TIMING
+    from mlakit.config import MLAConfig
+
+    device = args.device or default_device()
+    dtype = args.dtype or default_dtype(device)
+    contexts = parse_ints(args.context, "context") if args.context else None
+    opts = CalibrateOptions(
+        model=MLAConfig.resolve(args.model),
+        dtype=dtype,
+        device=device,
+        batch=args.batch,
+        contexts=contexts or (QUICK_CONTEXTS if args.quick else CalibrateOptions.contexts),
+        max_new=args.max_new,
+        timing=QUICK_TIMING if args.quick else DEFAULT_TIMING,
+        threads=args.threads,
+    )
+    path = output_path(args.out, opts.model, dtype, device)
+    profile, _ = calibrate(opts)
+    saved = profile.save(path)
+    if args.json:
+        emit_json({**profile.to_dict(), "path": saved})
+        return 0
+    _print(profile, saved)
+    return 0
+
+
+def _print(profile, path: str) -> None:
+    m = profile.machine
+    print(f"mlakit calibrate: {profile.model}, {profile.dtype} on {profile.device}")
+    if m:
+        peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in m["peak_flops"].items())
+        print(f"  peak matmul GFLOP/s: {peaks}; memory read {m['memory_bandwidth'] / 1e9:.1f} GB/s")
+    print(f"  {'cached':>7} {'crossover (new tokens)':>24}")
+    for t, x in profile.points:
+        text = f"> {profile.max_new} (absorb always faster)" if x is None else f"{x:.1f}"
+        print(f"  {t:>7} {text:>24}")
+    print(f"saved {path}")
+    print("mode='auto' follows it for layers of these widths, dtype and device (mlakit.calibration.attach)")
