@@ -97,16 +97,16 @@ def _machine(device: str):
 
 
 def _search(ctx: BenchContext, opts: CalibrateOptions, cached: int, bar) -> list[dict]:
-    """Both paths at 1, step, step², ... until materialize wins twice; then the bracket's middle."""
-    rows, wins, n = [], 0, 1
-    counts = []
-    while n <= opts.max_new and wins < 2:
+    """Both paths at 1, step, step², ..., max_new until materialize wins twice; then the bracket's middle."""
+    rows, wins, counts = [], 0, []
+    for n in _counts(opts.step, opts.max_new):
+        if wins >= 2:
+            break
         bar.set_postfix_str(f"cached {cached}, new {n}")
         pair = _time_pair(ctx, Cell(opts.batch, cached, n), opts.timing)
         rows += pair
         counts.append(n)
         wins = wins + 1 if pair[1]["ms_median"] <= pair[0]["ms_median"] else 0
-        n *= opts.step
     cross = measured_crossover(rows, cached, opts.batch, opts.dtype)
     if cross is not None and cross > 1:
         above = min(c for c in counts if c >= cross)
@@ -114,6 +114,14 @@ def _search(ctx: BenchContext, opts: CalibrateOptions, cached: int, bar) -> list
         if mid not in counts:
             rows += _time_pair(ctx, Cell(opts.batch, cached, mid), opts.timing)
     return rows
+
+
+def _counts(step: int, max_new: int) -> list[int]:
+    """1, step, step², ... below max_new, then max_new itself."""
+    counts = [1]
+    while counts[-1] * step < max_new:
+        counts.append(counts[-1] * step)
+    return counts + ([max_new] if counts[-1] < max_new else [])
 
 
 def _time_pair(ctx: BenchContext, cell: Cell, timing: Timing) -> list[dict]:

@@ -64,7 +64,8 @@ def _time_vs_new(plt, doc: dict, batch: int):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("new tokens per step")
-        ax.set_title(f"cached {c['context']}")
+        measured = f"> {c['measured_max_new']}" if c["measured"] is None else f"{c['measured']:.0f}"
+        ax.set_title(f"cached {c['context']}: measured crossover {measured}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel(f"one layer step, ms ({doc['dtype']}, batch {batch})")
     axes[0][-1].legend(fontsize=7)
@@ -75,7 +76,7 @@ def _time_vs_new(plt, doc: dict, batch: int):
 def _speedup(plt, doc: dict):
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     decode = doc["summary"]["decode"]
-    names = sorted({k for d in decode for k in d["slower_than_absorb"]})
+    names = sorted({k for d in decode for k in d["slower_than_absorb"]} - {"mlakit-auto"})
     for batch in sorted({d["batch"] for d in decode}):
         mine = [d for d in decode if d["batch"] == batch]
         for name in names:
