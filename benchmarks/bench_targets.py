@@ -155,24 +155,28 @@ def reset_peak_rss() -> None:
 
 
 def target_memory(ctx: BenchContext, cached: int = 32768) -> dict:
+    """Peak RSS over RSS before, for the first step at this context (the allocator holds nothing
+    of it yet; the derived weights exist since the gate) and for a later one."""
     cell = Cell(1, cached, 1)
     x = ctx.inputs(cell)
+    growth, ms = [], []
     with torch.inference_mode():
         step = BACKENDS["mlakit-absorb"].prepare(ctx, cell, x)
-        step.reset()
-        step.run()  # warm: derived weights, rope tables
-        step.reset()
-        before = current_rss()
-        reset_peak_rss()
-        t0 = time.perf_counter()
-        step.run()
-        ms = 1e3 * (time.perf_counter() - t0)
-        growth = peak_rss() - before
+        for _ in range(2):
+            step.reset()
+            before = current_rss()
+            reset_peak_rss()
+            t0 = time.perf_counter()
+            step.run()
+            ms.append(1e3 * (time.perf_counter() - t0))
+            growth.append(peak_rss() - before)
     return {
         "target": f"absorbed decode peak RSS growth, {cached // 1024}K, batch 1",
         "need": "< 300 MB",
-        "ok": growth < 300e6,
-        "value": growth / 1e6,
+        "ok": max(growth) < 300e6,
+        "value": max(growth) / 1e6,
+        "first_step_mb": growth[0] / 1e6,
+        "second_step_mb": growth[1] / 1e6,
         "step_ms": ms,
         "cache_mb": (x.c_kv.numel() + x.k_pe.numel()) * x.c_kv.element_size() / 1e6,
     }

@@ -127,6 +127,29 @@ def test_time_step_counts_calls():
     assert stats.ms_min <= stats.ms_median <= stats.ms_max
 
 
+@pytest.mark.parametrize(
+    ("call_s", "min_repeats", "calls", "repeats"),
+    [(2.0, 1, 1, 1), (2.0, 2, 2, 2), (0.1, 1, 6, 5)],
+    ids=["slow-warmup-counts", "slow-min-two", "fast-warmup-dropped"],
+)
+def test_time_step_counts_a_slow_warmup(monkeypatch, call_s, min_repeats, calls, repeats):
+    # a fake clock: each run takes call_s seconds
+    import mlakit.bench.timing as timing_mod
+    from mlakit.bench.backends import Step
+
+    clock = {"t": 0.0, "runs": 0}
+
+    def run():
+        clock["t"] += call_s
+        clock["runs"] += 1
+
+    monkeypatch.setattr(timing_mod.time, "perf_counter", lambda: clock["t"])
+    t = Timing(warmup=1, repeats=5, min_repeats=min_repeats, budget_s=1.0)
+    stats = time_step(Step(run), torch.device("cpu"), t)
+    assert (clock["runs"], stats.repeats) == (calls, repeats)
+    assert_close("median", stats.ms_median, 1e3 * call_s, 1e-9)
+
+
 def test_timing_rejects_bad_settings():
     with pytest.raises(ValueError, match="min_repeats"):
         Timing(repeats=1, min_repeats=2)

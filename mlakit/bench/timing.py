@@ -54,6 +54,10 @@ def _call(step: Step, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _enough(seconds: list[float], timing: Timing) -> bool:
+    return len(seconds) >= timing.min_repeats and sum(seconds) >= timing.budget_s
+
+
 def time_step(step: Step, device: torch.device, timing: Timing = DEFAULT_TIMING) -> Stats:
     seconds: list[float] = []
     first = 0.0
@@ -63,9 +67,7 @@ def time_step(step: Step, device: torch.device, timing: Timing = DEFAULT_TIMING)
     # code path and nothing is compiled or autotuned): it counts, and the cell costs one call less
     if timing.warmup and device.type == "cpu" and first >= timing.budget_s:
         seconds.append(first)
-    while len(seconds) < timing.repeats:
+    while len(seconds) < timing.repeats and not _enough(seconds, timing):
         seconds.append(_call(step, device))
-        if len(seconds) >= timing.min_repeats and sum(seconds) >= timing.budget_s:
-            break
     ms = [s * 1e3 for s in seconds]
     return Stats(statistics.median(ms), min(ms), max(ms), len(ms))
