@@ -7,10 +7,11 @@ import torch
 from helpers import assert_close, make_layer, naive_mla, randn, rel_error, tiny_config, yarn_scaling
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.dispatch import choose
-from mlakit.ops import reference
+from mlakit.ops import absorb, materialize, reference
 
 MODES = ["absorb", "materialize", "auto"]
 
@@ -169,6 +170,28 @@ def test_released_slot_serves_a_new_sequence():
     assert_close("reused slot", out, naive_mla(layer, new).float())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="ops read every row up to the longest row's length and weigh the extra keys by 0; "
+    "0 · NaN left in a released slot by an earlier request makes the new request's output NaN",
+)
+@pytest.mark.parametrize("mode", ["absorb", "materialize"])
+def test_stale_nan_in_a_released_slot_does_not_leak(mode):
+    cfg = CONFIGS["base"]
+    layer = make_layer(cfg, seed=34)
+    cache = LatentCache(cfg, 2, 8)
+    fresh = randn(1, 2, cfg.hidden_size, seed=36)
+    step = randn(2, 1, cfg.hidden_size, seed=37)
+    with torch.no_grad():
+        layer(randn(1, 6, cfg.hidden_size, seed=35), cache, slots=[0])
+        layer(torch.full((1, 6, cfg.hidden_size), float("nan")), cache, slots=[1])  # a bad request
+        cache.release(1)
+        layer(fresh, cache, slots=[1])  # a clean request reuses the slot: 2 tokens, slot 0 holds 6
+        out = layer(step, cache, mode=mode)
+    want = naive_mla(layer, torch.cat([fresh, step[1:]], dim=1))[:, -1:]
+    assert_close("clean row beside a longer one", out[1:], want.float())
+
+
 def test_auto_follows_the_dispatcher_and_records_the_mode():
     cfg = MLAConfig.preset("deepseek-v3").replace(
         hidden_size=64, num_heads=2, q_lora_rank=16, kv_lora_rank=64, qk_nope_head_dim=8, v_head_dim=8
@@ -227,6 +250,43 @@ def test_derived_weights_follow_kv_b_proj(how):
     assert rel_error(want, naive_mla(make_layer(cfg, seed=20), x))[2] > 1e-2
 
 
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_absorb_decode_builds_no_per_head_keys_or_values():
+    cfg = tiny_config(
+        hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16
+    )
+    layer = make_layer(cfg, seed=31)
+    cached = 1024
+    per_head = cfg.num_heads * cached * cfg.qk_nope_head_dim  # one per-head key (or value) tensor
+    largest = {}
+    for mode in ("absorb", "materialize"):
+        cache = LatentCache(cfg, 1, cached + 1)
+        with torch.no_grad():
+            layer(randn(1, cached, 64, seed=32), cache)
+            probe = LargestTensor()
+            with probe:
+                layer(randn(1, 1, 64, seed=33), cache, mode=mode)
+        largest[mode] = probe.numel
+    print(f"largest tensor of one decode step: {largest}, per-head K/V {per_head}")
+    # absorb's largest tensor is the cache itself (written in place); materialize's is per-head K
+    assert largest["absorb"] <= (cached + 1) * cfg.kv_lora_rank < per_head // 2
+    assert largest["materialize"] >= per_head
+
+
 # ---------------------------------------------------------------- gradients
 
 
@@ -277,22 +337,46 @@ def float64_layer():
 
 @pytest.mark.parametrize("mode", ["absorb", "materialize"])
 def test_gradcheck_float64_loose(mode):
-    # the ops keep the softmax in fp32 (see the strict test below), so finite differences need a wide step
+    # parts of the layer compute in fp32 (see FP32_INSIDE), so finite differences need a wide step
     layer, x = float64_layer()
     x.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda h: layer(h, mode=mode), (x,), eps=1e-3, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="absorb and materialize compute scores and softmax in fp32 even for float64 inputs "
-    "(scores.float() in ops), so float64 results carry fp32 rounding (~1e-7) and gradcheck fails",
+FP32_INSIDE = (
+    "float64 inputs are computed partly in fp32: the ops cast scores to fp32 (scores.float() in "
+    "ops/absorb.py, ops/materialize.py, ops/common.py) and attention.RMSNorm normalizes in fp32, so "
+    "results carry fp32 rounding (~1e-7) and finite differences at eps 1e-6 disagree"
 )
+
+
+@pytest.mark.xfail(strict=True, reason=FP32_INSIDE)
 @pytest.mark.parametrize("mode", ["absorb", "materialize"])
 def test_gradcheck_float64_strict(mode):
     layer, x = float64_layer()
     x.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda h: layer(h, mode=mode), (x,))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        reference,
+        pytest.param(absorb, marks=pytest.mark.xfail(strict=True, reason=FP32_INSIDE)),
+        pytest.param(materialize, marks=pytest.mark.xfail(strict=True, reason=FP32_INSIDE)),
+    ],
+    ids=["reference", "absorb", "materialize"],
+)
+def test_gradcheck_ops_float64(op):
+    g = torch.Generator().manual_seed(30)
+    shapes = [(2, 2, 2, 3), (2, 2, 2, 2), (2, 4, 5), (2, 4, 2), (2, 3, 5), (2, 4, 5)]
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (
+        torch.randn(s, generator=g, dtype=torch.float64).requires_grad_(True) for s in shapes
+    )
+    kv_lens = torch.tensor([4, 3])
+    assert torch.autograd.gradcheck(
+        lambda *t: op(*t[:4], kv_lens, *t[4:], 0.4)[0], (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
+    )
 
 
 # ---------------------------------------------------------------- bf16

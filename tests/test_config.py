@@ -252,6 +252,8 @@ def test_from_hf_v_head_dim_none_is_hidden_over_heads():
     assert cfg.rope_interleave is False
     assert cfg == MLAConfig.preset("minicpm3-4b")
     assert MLAConfig.from_hf({**MINICPM3_JSON, "v_head_dim": None}).v_head_dim == 64
+    # not the nope width: with nope 96 the value width stays 2560 / 40
+    assert MLAConfig.from_hf({**MINICPM3_JSON, "qk_nope_head_dim": 96}).v_head_dim == 64
 
 
 @pytest.mark.parametrize(

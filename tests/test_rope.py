@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from helpers import assert_close, randn, tiny_config, yarn_scaling
@@ -44,7 +42,9 @@ def configs(dim, theta, scaling):
         qk_rope_head_dim=dim,
         v_head_dim=4,
         num_hidden_layers=1,
-        max_position_embeddings=8192,
+        max_position_embeddings=int(scaling["factor"] * scaling["original_max_position_embeddings"])
+        if scaling
+        else 8192,
         rope_parameters=params,
     )
     return cfg, hf
@@ -149,4 +149,12 @@ def test_rotation_keeps_pair_norms_and_dtype():
     # one quarter turn of the pair (1, 0) gives (0, 1)
     quarter = apply_rope(torch.tensor([1.0, 0.0]), torch.tensor([0.0]), torch.tensor([1.0]), interleave=True)
     assert quarter.tolist() == [0.0, 1.0]
-    assert math.isclose(float(torch.tensor(0.0).cos()), 1.0)
+
+
+def test_float64_rotation_keeps_float64_precision():
+    x = randn(5, 8, seed=6, dtype=torch.float64)
+    angle = torch.linspace(0.1, 3.0, 4, dtype=torch.float64)
+    out = apply_rope(x, angle.cos(), angle.sin(), interleave=False)
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angle), angle)
+    assert out.dtype == torch.float64
+    assert (out - torch.cat([z.real, z.imag], dim=-1)).abs().max() < 1e-14
