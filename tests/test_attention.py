@@ -47,6 +47,20 @@ def test_prefill_chunk_decode_equals_one_pass(cfg, mode):
     assert_close(f"{mode} incremental", torch.cat(outs, dim=1), naive_mla(layer, x).float())
 
 
+@pytest.mark.parametrize("workspace", [1, 3, 7], ids=lambda w: f"ws{w}")
+def test_materialize_with_a_small_workspace(workspace):
+    # the context is expanded `workspace` keys at a time and merged by lse
+    cfg = CONFIGS["no-q-lora"]
+    layer = make_layer(cfg, seed=38)
+    layer.workspace_tokens = workspace
+    x = randn(2, 12, cfg.hidden_size, seed=39)
+    cache = LatentCache(cfg, 2, 12)
+    with torch.no_grad():
+        outs = [layer(x[:, :9], cache, mode="materialize")]
+        outs += [layer(x[:, t : t + 1], cache, mode="materialize") for t in range(9, 12)]
+    assert_close(f"workspace {workspace}", torch.cat(outs, dim=1), naive_mla(layer, x).float())
+
+
 def test_modes_can_alternate_over_one_cache():
     cfg = CONFIGS["half-split-yarn"]
     layer = make_layer(cfg, seed=5)
