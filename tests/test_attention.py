@@ -184,11 +184,6 @@ def test_released_slot_serves_a_new_sequence():
     assert_close("reused slot", out, naive_mla(layer, new).float())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ops read every row up to the longest row's length and weigh the extra keys by 0; "
-    "0 · NaN left in a released slot by an earlier request makes the new request's output NaN",
-)
 @pytest.mark.parametrize("mode", ["absorb", "materialize"])
 def test_stale_nan_in_a_released_slot_does_not_leak(mode):
     cfg = CONFIGS["base"]
@@ -357,14 +352,6 @@ def test_gradcheck_float64_loose(mode):
     assert torch.autograd.gradcheck(lambda h: layer(h, mode=mode), (x,), eps=1e-3, atol=1e-3, rtol=1e-3)
 
 
-FP32_INSIDE = (
-    "float64 inputs are computed partly in fp32: the ops cast scores to fp32 (scores.float() in "
-    "ops/absorb.py, ops/materialize.py, ops/common.py) and attention.RMSNorm normalizes in fp32, so "
-    "results carry fp32 rounding (~1e-7) and finite differences at eps 1e-6 disagree"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=FP32_INSIDE)
 @pytest.mark.parametrize("mode", ["absorb", "materialize"])
 def test_gradcheck_float64_strict(mode):
     layer, x = float64_layer()
@@ -376,8 +363,8 @@ def test_gradcheck_float64_strict(mode):
     "op",
     [
         reference,
-        pytest.param(absorb, marks=pytest.mark.xfail(strict=True, reason=FP32_INSIDE)),
-        pytest.param(materialize, marks=pytest.mark.xfail(strict=True, reason=FP32_INSIDE)),
+        absorb,
+        materialize,
     ],
     ids=["reference", "absorb", "materialize"],
 )

@@ -171,11 +171,6 @@ def test_fully_hidden_queries_give_zero_output_and_neg_inf_lse():
         assert torch.isfinite(lse[:, 2]).all() and out[:, 2].abs().max() > 0, name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ops multiply the probability 0 of a row's keys past kv_lens[b] by the stored value: a NaN "
-    "there (stale slot contents) leaks into that row's output",
-)
 @pytest.mark.parametrize("op", [absorb, materialize], ids=["absorb", "materialize"])
 def test_nan_past_a_rows_length_is_not_read(op):
     p = Problem(2, 1, 2, 4, 2, 3, 5, (6, 1))
