@@ -345,14 +345,6 @@ def float64_layer():
 
 
 @pytest.mark.parametrize("mode", ["absorb", "materialize"])
-def test_gradcheck_float64_loose(mode):
-    # parts of the layer compute in fp32 (see FP32_INSIDE), so finite differences need a wide step
-    layer, x = float64_layer()
-    x.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda h: layer(h, mode=mode), (x,), eps=1e-3, atol=1e-3, rtol=1e-3)
-
-
-@pytest.mark.parametrize("mode", ["absorb", "materialize"])
 def test_gradcheck_float64_strict(mode):
     layer, x = float64_layer()
     x.requires_grad_(True)
