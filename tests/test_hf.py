@@ -245,6 +245,33 @@ def test_static_cache():
     assert_close("static cache logits", got_logits, want_logits)
 
 
+def test_beam_search():
+    """Beams reorder transformers' cache between steps; the latent it holds is what mlakit reads."""
+    model = tiny_model("deepseek-v3")
+    ids, mask = prompts(seed=11)
+    kw = dict(attention_mask=mask, max_new_tokens=8, num_beams=2, do_sample=False)
+    want = model.generate(ids, **kw)
+    mhf.patch(model)
+    assert torch.equal(model.generate(ids, **kw), want)
+
+
+def test_gradients_match():
+    model = tiny_model("deepseek-v3")
+    ids, mask = prompts(seed=12)
+
+    def attention_grads():
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        logits[mask.bool()].square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n}
+
+    want = attention_grads()
+    mhf.patch(model)
+    got = attention_grads()
+    for name, grad in want.items():
+        assert_close(f"grad {name}", got[name], grad)
+
+
 def test_weights_shared_and_unpatch_restores():
     model = tiny_model("deepseek-v3")
     ids, mask = prompts(seed=9)
