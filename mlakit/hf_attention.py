@@ -13,6 +13,7 @@ import sys
 import torch
 from torch import nn
 
+from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.ops import absorb, materialize
@@ -72,7 +73,9 @@ class PatchedMLAAttention(nn.Module):
         self.mode = mode
         self.last_mode: str | None = None
         self.train(original.training)
-        self._derived: tuple | None = None
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
+        self._derived_key: tuple | None = None
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
 
@@ -146,20 +149,8 @@ class PatchedMLAAttention(nn.Module):
             )
         return out  # [B, S, H, dv]
 
-    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [H,dn,L], w_uv [H,dv,L]) viewed from kv_b_proj; contiguous copies kept while unchanged."""
-        cfg = self.cfg
-        w = self.kv_b_proj.weight
-        per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        if torch.is_grad_enabled() and w.requires_grad:
-            return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._derived is None or self._derived[0] != key:
-            with torch.no_grad():
-                w_uk = per_head[:, : cfg.qk_nope_head_dim].contiguous()
-                w_uv = per_head[:, cfg.qk_nope_head_dim :].contiguous()
-            self._derived = (key, w_uk, w_uv)
-        return self._derived[1], self._derived[2]
+    # the same derived, compute-dtype copies of W_UK and W_UV as mlakit's own layer keeps
+    up_weights = MLAAttention.up_weights
 
     def _check_call(self, position_embeddings, kwargs) -> None:
         impl = self.config._attn_implementation
