@@ -88,6 +88,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x[..., :half], x[..., half:]
-    x1f, x2f = x1.float(), x2.float()
+    # at least fp32 (bf16 rotates in fp32), never below the input's own precision (float64 stays float64)
+    work = torch.promote_types(x.dtype, torch.float32)
+    x1f, x2f = x1.to(work), x2.to(work)
     out = torch.cat([x1f * cos - x2f * sin, x2f * cos + x1f * sin], dim=-1)
     return out.to(x.dtype)

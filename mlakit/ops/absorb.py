@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from mlakit.ops.common import compute_dtype, context_mask, query_chunk, softmax_lse
+from mlakit.ops.common import (
+    acc_dtype,
+    compute_dtype,
+    context_mask,
+    query_chunk,
+    softmax_lse,
+)
 
 # cached tokens per block of the online softmax (1024 × 512 fp32 latents = 2 MB)
 KEY_BLOCK = 1024
@@ -79,8 +85,9 @@ def latent_attention(
     batch, new, heads, latent = q_lat.shape
     if c_kv.shape[1] == 0:
         # no keys: nothing to mix, and a softmax denominator of zero
-        lse = torch.full((batch, new, heads), float("-inf"), device=q_lat.device)
-        return torch.zeros(batch, new, heads, latent, device=q_lat.device), lse
+        acc = acc_dtype(q_lat.dtype)
+        lse = torch.full((batch, new, heads), float("-inf"), dtype=acc, device=q_lat.device)
+        return torch.zeros(batch, new, heads, latent, dtype=acc, device=q_lat.device), lse
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q_l = q_lat.reshape(batch, new * heads, latent).to(cd) * scale
     q_r = q_pe.reshape(batch, new * heads, -1).to(cd) * scale
@@ -95,7 +102,8 @@ def latent_attention(
 
 def _scores(q_l, q_r, c, kp, mask):
     """Scaled scores [B, s·H, T] in fp32 with hidden keys at -inf."""
-    scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2)).float()
+    scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2))
+    scores = scores.to(acc_dtype(scores.dtype))
     if mask is not None:
         batch, rows, keys = scores.shape
         shaped = scores.view(batch, mask.shape[1], rows // mask.shape[1], keys)
@@ -103,33 +111,47 @@ def _scores(q_l, q_r, c, kp, mask):
     return scores
 
 
+def _visible_values(c: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """c [B,t,L] with the keys no query sees zeroed: they get probability 0, but 0 × NaN is NaN, and
+    whatever a slot held past its length (a released request, a rejected draft) must not leak in."""
+    if mask is None:
+        return c
+    unseen = mask.all(dim=1).squeeze(1)  # [B, t]
+    if not bool(unseen.any()):
+        return c
+    return c.masked_fill(unseen[..., None], 0)
+
+
 def _one_block(q_l, q_r, c, kp, mask):
     """Differentiable form: all keys at once."""
+    c = _visible_values(c, mask)
     probs, lse = softmax_lse(_scores(q_l, q_r, c, kp, mask))
-    return torch.bmm(probs.to(c.dtype), c).float(), lse
+    return torch.bmm(probs.to(c.dtype), c).to(probs.dtype), lse
 
 
 def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
     """Online softmax over key blocks: running max, denominator and unnormalized output in fp32."""
     rows = q_l.shape[:2]
     keys = c_kv.shape[1]
-    peak = torch.full(rows, float("-inf"), device=q_l.device)
-    denom = torch.zeros(rows, device=q_l.device)
-    acc = torch.zeros(*rows, c_kv.shape[-1], device=q_l.device)
+    f = {"dtype": acc_dtype(cd), "device": q_l.device}
+    peak = torch.full(rows, float("-inf"), **f)
+    denom = torch.zeros(rows, **f)
+    acc = torch.zeros(*rows, c_kv.shape[-1], **f)
     for k0 in range(0, keys, KEY_BLOCK):
         k1 = min(keys, k0 + KEY_BLOCK)
-        c = c_kv[:, k0:k1].to(cd)  # [B, T_blk, L]: one conversion, two matmuls
-        scores = _scores(q_l, q_r, c, k_pe[:, k0:k1].to(cd), None if mask is None else mask[..., k0:k1])
+        block_mask = None if mask is None else mask[..., k0:k1]
+        c = _visible_values(c_kv[:, k0:k1].to(cd), block_mask)  # [B, T_blk, L]: converted once, used twice
+        scores = _scores(q_l, q_r, c, k_pe[:, k0:k1].to(cd), block_mask)
         new_peak = torch.maximum(peak, scores.amax(dim=-1))
         safe = torch.where(torch.isinf(new_peak), torch.zeros_like(new_peak), new_peak)
         probs = scores.sub_(safe[..., None]).exp_()
         rescale = torch.exp(peak - safe)
         denom.mul_(rescale).add_(probs.sum(dim=-1))
         acc.mul_(rescale[..., None])
-        if cd == torch.float32:
+        if cd == acc.dtype:
             acc.baddbmm_(probs, c)
         else:
-            acc.add_(torch.bmm(probs.to(cd), c).float())
+            acc.add_(torch.bmm(probs.to(cd), c).to(acc.dtype))
         peak = new_peak
     lse = peak + torch.log(denom)
-    return acc.div_(denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]), lse
+    return acc.div_(denom.clamp_min(torch.finfo(acc.dtype).tiny)[..., None]), lse

@@ -19,6 +19,26 @@ def _cpu_has_fast(dtype: torch.dtype) -> bool:
     return True
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax statistics and accumulators use: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def zero_past_lengths(block: torch.Tensor, kv_lens: torch.Tensor, start: int) -> torch.Tensor:
+    """`block` [B, t, ·] (context rows start..start+t) with the rows at or past each row's length zeroed.
+
+    Hidden keys get probability 0, but 0 × NaN is NaN: whatever a slot held before (a released
+    request, a rejected draft, a poisoned page) must not reach the weighted sum. Copies only when
+    some row is shorter than the block.
+    """
+    stop = start + block.shape[1]
+    short = kv_lens < stop
+    if not bool(short.any()):
+        return block
+    keep = torch.arange(start, stop)[None, :] < kv_lens[:, None]  # [B, t]
+    return torch.where(keep.to(block.device)[..., None], block, torch.zeros((), dtype=block.dtype))
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype matmuls run in: the storage dtype, or fp32 on a CPU without native 16-bit GEMMs.
 
@@ -61,17 +81,17 @@ def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Rows with every key hidden (all -inf) give zero probabilities and lse -inf.
     """
-    scores = scores.float()
+    scores = scores.to(acc_dtype(scores.dtype))
     peak = scores.amax(dim=-1, keepdim=True)
     peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
     if torch.is_grad_enabled() and scores.requires_grad:
         probs = torch.exp(scores - peak)
         denom = probs.sum(dim=-1, keepdim=True)
-        probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny)
+        probs = probs / denom.clamp_min(torch.finfo(scores.dtype).tiny)
     else:
         probs = scores.sub_(peak).exp_()
         denom = probs.sum(dim=-1, keepdim=True)
-        probs.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
+        probs.div_(denom.clamp_min(torch.finfo(scores.dtype).tiny))
     lse = (peak + torch.log(denom)).squeeze(-1)
     return probs, lse
 

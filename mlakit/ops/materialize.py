@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlakit.ops.common import compute_dtype, context_mask, query_chunk, softmax_lse
+from mlakit.ops.common import (
+    acc_dtype,
+    compute_dtype,
+    context_mask,
+    query_chunk,
+    softmax_lse,
+    zero_past_lengths,
+)
 from mlakit.ops.merge import merge
 
 DEFAULT_WORKSPACE_TOKENS = 16384
@@ -37,12 +44,14 @@ def materialize(
     w_uk, w_uv = w_uk.to(cd), w_uv.to(cd)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     if keys <= workspace_tokens and not need_lse and not q.requires_grad:
-        k, v = expand(c_kv[:, :keys].to(cd), k_pe[:, :keys].to(cd), w_uk, w_uv)
+        latent, rope = (zero_past_lengths(t[:, :keys], kv_lens, 0).to(cd) for t in (c_kv, k_pe))
+        k, v = expand(latent, rope, w_uk, w_uv)
         return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask).to(q_nope.dtype), None
     outs, lses = [], []
     for start in range(0, keys, workspace_tokens):
         stop = min(keys, start + workspace_tokens)
-        k, v = expand(c_kv[:, start:stop].to(cd), k_pe[:, start:stop].to(cd), w_uk, w_uv)
+        latent, rope = (zero_past_lengths(t[:, start:stop], kv_lens, start).to(cd) for t in (c_kv, k_pe))
+        k, v = expand(latent, rope, w_uk, w_uv)
         out, lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
         outs.append(out)
         lses.append(lse)
@@ -79,11 +88,12 @@ def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
     step = query_chunk(batch * heads, keys, new)
     for start in range(0, new, step):
         stop = min(new, start + step)
-        scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)).float() * scale  # [B, H, s, T]
+        scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3))  # [B, H, s, T]
+        scores = scores.to(acc_dtype(scores.dtype)) * scale
         mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device, key_mask)
         if mask is not None:
             scores = scores.masked_fill(mask[:, None], float("-inf"))
         probs, lse = softmax_lse(scores)
-        outs.append(torch.matmul(probs.to(v.dtype), v).float().transpose(1, 2))  # [B, s, H, dv]
+        outs.append(torch.matmul(probs.to(v.dtype), v).to(probs.dtype).transpose(1, 2))  # [B, s, H, dv]
         lses.append(lse.transpose(1, 2))
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

@@ -18,5 +18,5 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
     total = torch.logsumexp(lse_all, dim=0)
     safe_total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
     weights = torch.exp(lse_all - safe_total)  # [P, ..., H]
-    out = sum(w[..., None] * o.float() for w, o in zip(weights, outs, strict=True))
+    out = sum(w[..., None] * o.to(w.dtype) for w, o in zip(weights, outs, strict=True))
     return out.to(outs[0].dtype), total

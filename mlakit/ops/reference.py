@@ -39,4 +39,5 @@ def reference(
         outs.append((probs @ values).transpose(0, 1))  # [S, H, dv]
         lses.append(lse.T)  # [S, H]
     out = torch.stack(outs).to(q_nope.dtype)
-    return out, torch.stack(lses).float()
+    lse = torch.stack(lses)
+    return out, lse.to(torch.float64 if q_nope.dtype == torch.float64 else torch.float32)
