@@ -31,15 +31,12 @@ from mlakit.bench.context import DTYPES, BenchContext
 from mlakit.bench.grid import Cell, Grid
 from mlakit.bench.results import environment
 from mlakit.bench.run import torch_threads
-from mlakit.bench.sweep import gate, time_cell
-from mlakit.bench.timing import Timing
+from mlakit.bench.sweep import gate
+from mlakit.bench.timing import synchronize
 from mlakit.config import MLAConfig
 from mlakit.ops import materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import expand
-
-# slow calls (over the budget) are timed once, fast ones up to five times
-TIMING = Timing(warmup=1, repeats=5, min_repeats=1, budget_s=2.0)
 
 
 def seconds(fn, repeats: int = 3) -> float:
@@ -53,20 +50,46 @@ def seconds(fn, repeats: int = 3) -> float:
     return statistics.median(out)
 
 
-def speedup(ctx: BenchContext, cell: Cell, faster: str, slower: str) -> dict:
+def interleaved(
+    ctx: BenchContext, cell: Cell, names: tuple[str, str], rounds: tuple[int, int], warm=(True, True)
+) -> dict:
+    """Time two backends on the same inputs in alternation (load drifts hit both alike); each is
+    warmed once (where `warm` says), then called rounds[i] times. Medians and minima in ms;
+    value = second / first."""
     x = ctx.inputs(cell)
-    rows = {b: time_cell(ctx, cell, x, BACKENDS[b], TIMING) for b in (faster, slower)}
-    return {
-        "cell": cell.label,
-        f"{faster}_ms": rows[faster]["ms_median"],
-        f"{slower}_ms": rows[slower]["ms_median"],
-        "calls": {b: r["repeats"] for b, r in rows.items()},
-        "value": rows[slower]["ms_median"] / rows[faster]["ms_median"],
-    }
+    out = {"cell": cell.label}
+    with torch.inference_mode():
+        steps = [BACKENDS[n].prepare(ctx, cell, x) for n in names]
+        for step, w in zip(steps, warm, strict=True):
+            if w:
+                _call(step, ctx.device)
+        times: list[list[float]] = [[], []]
+        for r in range(max(rounds)):
+            for i, step in enumerate(steps):
+                if r < rounds[i]:
+                    times[i].append(1e3 * _call(step, ctx.device))
+    for name, ms in zip(names, times, strict=True):
+        out[f"{name}_ms"] = statistics.median(ms)
+        out[f"{name}_min_ms"] = min(ms)
+        out[f"{name}_calls"] = len(ms)
+    out["value"] = out[f"{names[1]}_ms"] / out[f"{names[0]}_ms"]
+    out["value_of_minima"] = out[f"{names[1]}_min_ms"] / out[f"{names[0]}_min_ms"]
+    return out
+
+
+def _call(step, device) -> float:
+    step.reset()
+    synchronize(device)
+    t0 = time.perf_counter()
+    step.run()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 def target_transformers(ctx: BenchContext) -> dict:
-    out = speedup(ctx, Cell(1, 16384, 1), "mlakit-absorb", "transformers")
+    # one transformers call takes minutes on a CPU: it is timed once, unwarmed (the gate ran its code)
+    cell, names = Cell(1, 16384, 1), ("mlakit-absorb", "transformers")
+    out = interleaved(ctx, cell, names, (5, 1), warm=(True, False))
     return {
         "target": "absorbed decode vs transformers, 16K, batch 1",
         "need": ">= 100x",
@@ -76,7 +99,7 @@ def target_transformers(ctx: BenchContext) -> dict:
 
 
 def target_einsum(ctx: BenchContext) -> dict:
-    out = speedup(ctx, Cell(8, 8192, 1), "mlakit-absorb", "einsum-absorb")
+    out = interleaved(ctx, Cell(8, 8192, 1), ("mlakit-absorb", "einsum-absorb"), (5, 5))
     return {
         "target": "absorbed decode vs einsum absorb, 8K, batch 8",
         "need": ">= 1.3x",
