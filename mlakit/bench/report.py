@@ -93,15 +93,25 @@ def summary_lines(doc: dict) -> list[str]:
     for d in s["decode"]:
         parts = [f"absorb at decode, batch {d['batch']}, cached {d['context']}: {d['absorb_ms']:.1f} ms"]
         for name in (MATERIALIZE, "transformers", "einsum-absorb"):
-            if name in d["slower_than_absorb"]:
-                parts.append(f"x{d['slower_than_absorb'][name]:.1f} faster than {name}")
+            ratio = d["slower_than_absorb"].get(name)
+            if ratio is not None:
+                parts.append(_versus(ratio, name))
         if d["absorb_core_pct_peak_flops"] is not None:
             parts.append(f"core {d['absorb_core_pct_peak_flops']:.0f}% of peak matmul")
         if d["absorb_pct_peak_bandwidth"] is not None:
             parts.append(f"step {d['absorb_pct_peak_bandwidth']:.0f}% of peak bandwidth")
+        if d["absorb_roofline_fraction"] is not None:
+            parts.append(f"step at {100 * d['absorb_roofline_fraction']:.0f}% of its roofline speed")
         lines.append("; ".join(parts))
     lines.append(_auto_line(s["auto"]))
     return lines
+
+
+def _versus(ratio: float, name: str) -> str:
+    """"x2.0 faster than NAME" or, below 1, "x1.25 slower than NAME" (ratio = NAME's time / absorb's)."""
+    if ratio >= 1:
+        return f"x{ratio:.2f} faster than {name}"
+    return f"x{1 / ratio:.2f} slower than {name}"
 
 
 def _auto_line(a: dict) -> str:
