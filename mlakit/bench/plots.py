@@ -67,8 +67,8 @@ def _time_vs_new(plt, doc: dict, batch: int):
         measured = f"> {c['measured_max_new']}" if c["measured"] is None else f"{c['measured']:.0f}"
         ax.set_title(f"cached {c['context']}: measured crossover {measured}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel(f"one layer step, ms ({doc['dtype']}, batch {batch})")
-    axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"{doc['model']}: absorb vs materialize on {doc['env']['device_name']}", fontsize=9)
     return fig
 

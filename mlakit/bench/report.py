@@ -104,11 +104,13 @@ def summary_lines(doc: dict) -> list[str]:
             parts.append(f"step at {100 * d['absorb_roofline_fraction']:.0f}% of its roofline speed")
         lines.append("; ".join(parts))
     lines.append(_auto_line(s["auto"]))
+    if any(r.get("pct_peak_bandwidth", 0) > 100 or r.get("pct_peak_flops", 0) > 100 for r in doc["rows"]):
+        lines.append("note: some rates exceed the peaks measured in this run (measured at a busier moment)")
     return lines
 
 
 def _versus(ratio: float, name: str) -> str:
-    """"x2.0 faster than NAME" or, below 1, "x1.25 slower than NAME" (ratio = NAME's time / absorb's)."""
+    """Absorb against NAME: "x2.00 faster than NAME", or below 1 "x1.25 slower than NAME"."""
     if ratio >= 1:
         return f"x{ratio:.2f} faster than {name}"
     return f"x{1 / ratio:.2f} slower than {name}"
