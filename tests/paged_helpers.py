@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from mlakit import MLAAttention, MLAConfig
 
@@ -71,3 +75,35 @@ def make_layer(cfg: MLAConfig, seed: int = 0, dtype: torch.dtype = torch.float32
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+class PeakMemory(TorchDispatchMode):
+    """Bytes of tensor storage created inside the block and still alive, and its peak.
+
+    A tracemalloc for torch: every storage an op creates is counted until it is freed (weakref
+    finalizer). Storages created before the block (the cache, the weights) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen:
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
