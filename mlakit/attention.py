@@ -12,6 +12,7 @@ from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.ops import absorb, materialize
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
+from mlakit.ops.paged import absorb_chunked
 from mlakit.paged import PagedLatentCache
 from mlakit.rope import RotaryTable
 
@@ -114,11 +115,12 @@ class MLAAttention(nn.Module):
             out = self._ragged(mode, q_nope, q_pe, c_kv, k_pe, start, counts, cache, slot_ids)
             return self.o_proj(out.reshape(batch, new, -1)) * _valid(counts, new, out.device)[..., None]
         kv_lens = start + new
-        if cache is not None:
-            cache._write(c_kv, k_pe, slot_ids)
-            c_kv, k_pe = cache.view(slot_ids, int(kv_lens.max()))
         run = choose(self.cfg, new, start.tolist()) if mode == "auto" else mode
-        out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+        if cache is None:
+            out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+        else:
+            cache._write(c_kv, k_pe, slot_ids)
+            out, _ = self.attend_cache(run, q_nope, q_pe, cache, slot_ids, kv_lens)
         self.last_mode = run
         self.last_row_modes = [run] * batch
         return self.o_proj(out.reshape(batch, new, -1))
@@ -160,12 +162,22 @@ class MLAAttention(nn.Module):
         q_n = q_nope[dev_rows[:, None], dev_src]  # [R, width, H, dn]
         q_p = q_pe[dev_rows[:, None], dev_src]
         if cache is None:
-            ctx_c, ctx_k = c_kv[dev_rows, : int(lens.max())], k_pe[dev_rows, : int(lens.max())]
+            top = int(lens.max())
+            o, _ = self.attend(run, q_n, q_p, c_kv[dev_rows, :top], k_pe[dev_rows, :top], lens)
         else:
-            ctx_c, ctx_k = cache.view(slot_ids[rows], int(lens.max()))
-        o, _ = self.attend(run, q_n, q_p, ctx_c, ctx_k, lens)  # [R, width, H, dv]
+            o, _ = self.attend_cache(run, q_n, q_p, cache, slot_ids[rows], lens)  # [R, width, H, dv]
         for j, (row, count) in enumerate(zip(rows.tolist(), n.tolist(), strict=True)):
             out[row, :count] = o[j, width - count :]
+
+    def attend_cache(self, run, q_nope, q_pe, cache, slots, kv_lens):
+        """Run one path over the cached context of `slots`. Absorb reads a paged cache's pages chunk by
+        chunk (no gather of the whole context); otherwise the context is the cache's view."""
+        if run == "absorb" and isinstance(cache, PagedLatentCache):
+            w_uk, w_uv = self.up_weights()
+            read = cache.reader(slots, int(kv_lens.max()))
+            return absorb_chunked(q_nope, q_pe, read, kv_lens, w_uk, w_uv, self.scale)
+        c_kv, k_pe = cache.view(slots, int(kv_lens.max()))
+        return self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
 
     def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens):
         """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None)."""

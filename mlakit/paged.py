@@ -5,6 +5,8 @@ A drop-in for `LatentCache` in `MLAAttention.forward`: same `lengths`, `append`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mlakit.blocks import BlockManager, blocks_for
@@ -161,19 +163,37 @@ class PagedLatentCache:
         flat = self.table(slots, blocks_for(max_len, size))[:, t // size] * size + t % size  # [B, T]
         return torch.where(t < self.lengths[slots][:, None], flat, torch.full_like(flat, -1))
 
+    def reader(
+        self, slots: torch.Tensor, max_len: int
+    ) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """read(start, stop) -> (c_kv [B, stop-start, L], k_pe [B, stop-start, dr]): tokens start..stop-1
+        of `slots` (stop <= max_len) in the compute dtype, zeros past each slot's length.
+
+        Each call gathers those tokens' rows from the pages, dequantizing fp8/int8 latents on the way.
+        """
+        mapping = self.slot_mapping(slots, max_len)
+        pad = self.num_blocks * self.block_size  # the zero row
+        rows = torch.where(mapping < 0, torch.full_like(mapping, pad), mapping).to(self.device)  # [B, T]
+
+        def read(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._gather(rows[:, start:stop])
+
+        return read
+
     def view(self, slots: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [B, max_len, L], k_pe [B, max_len, dr]) of `slots` in the compute dtype; zeros past lengths.
 
-        Gathers the slots' pages (a copy) and dequantizes fp8/int8 latents on the way.
+        A copy: the slots' pages gathered (and dequantized) into contiguous tensors.
         """
-        batch = slots.numel()
-        mapping = self.slot_mapping(slots, max_len)
-        pad = self.num_blocks * self.block_size  # the zero row
-        rows = torch.where(mapping < 0, torch.full_like(mapping, pad), mapping).reshape(-1).to(self.device)
+        return self.reader(slots, max_len)(0, max_len)
+
+    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, tokens = rows.shape
+        flat = rows.reshape(-1)
         lay = self.layout
-        rope = field_view(self._rows, lay.rope).index_select(0, rows)
-        latent = field_view(self._rows, lay.latent).index_select(0, rows)
+        rope = field_view(self._rows, lay.rope).index_select(0, flat)
+        latent = field_view(self._rows, lay.latent).index_select(0, flat)
         if lay.quant is not None:
-            scale = field_view(self._rows, lay.scale).index_select(0, rows)
+            scale = field_view(self._rows, lay.scale).index_select(0, flat)
             latent = dequantize(latent, scale, self.dtype)
-        return latent.view(batch, max_len, -1), rope.view(batch, max_len, -1)
+        return latent.view(batch, tokens, -1), rope.view(batch, tokens, -1)

@@ -9,6 +9,8 @@ from paged_helpers import assert_close, make_layer, randn, small_config
 
 from mlakit import LatentCache, MLAConfig
 from mlakit.blocks import BlockManager
+from mlakit.ops import absorb
+from mlakit.ops.paged import absorb_chunked
 from mlakit.paged import BLOCK_SENTINEL, PagedLatentCache
 
 
@@ -317,3 +319,32 @@ def test_layer_out_of_blocks_leaves_the_cache_unchanged():
             layer(randn(2, 1, cfg.hidden_size, seed=2), paged)
     assert torch.equal(paged.pages, before[0]) and torch.equal(paged.lengths, before[1])
     assert paged.blocks.tables == before[2]
+
+
+# absorb over pages read chunk by chunk
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 17, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("new", [1, 4], ids=["decode", "new4"])
+def test_absorb_chunked_over_pages_equals_absorb_over_the_gathered_context(chunk, new):
+    """Ragged rows (a row shorter than one chunk, a row of exactly 16): every chunk boundary case."""
+    cfg = small_config()
+    paged = poisoned(cfg, 20, 4, 3, seed=chunk)
+    for slots, n in (([0, 1, 2], 3), ([0, 2], 13), ([2], 22)):
+        paged.append(*entries(len(slots), n, seed=n, cfg=cfg), slots=slots)
+    h, dn, dv, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe = randn(3, new, h, dn, seed=1), randn(3, new, h, cfg.qk_rope_head_dim, seed=2)
+    w_uk, w_uv = randn(h, dn, lat, seed=3), randn(h, dv, lat, seed=4)
+    slots = torch.tensor([2, 1, 0])
+    lens = paged.lengths[slots].clone()  # 38, 3, 16
+    top = int(lens.max())
+    c_kv, k_pe = paged.view(slots, top)
+    want_out, want_lse = absorb(q_nope, q_pe, c_kv, k_pe, lens, w_uk, w_uv, 0.3)
+    got_out, got_lse = absorb_chunked(
+        q_nope, q_pe, paged.reader(slots, top), lens, w_uk, w_uv, 0.3, chunk_tokens=chunk
+    )
+    assert_close("out", got_out, want_out)
+    # a query before its row's first key (row of 3 keys, 4 new) sees nothing: lse -inf in both
+    assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse))
+    seen = torch.isfinite(want_lse)
+    assert_close("lse", got_lse[seen], want_lse[seen])
