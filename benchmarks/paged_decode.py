@@ -116,9 +116,8 @@ def check(fns: dict, dtype: str) -> dict[str, tuple[float, float]]:
 
 
 def time_interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Run every variant once per repeat, in turn (check() has already run each once: the warm-up)."""
     times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        fn()
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()

@@ -38,11 +38,18 @@ def filled(layer, quant, hidden, block_size=64) -> PagedLatentCache:
     cache = PagedLatentCache(
         cfg, batch * (context // block_size + 2), block_size, max_batch=batch, quant=quant
     )
-    with torch.no_grad():
-        positions = torch.arange(context).expand(batch, context)
-        _, _, c_kv, k_pe = layer.project(hidden, positions)
-        cache.append(c_kv, k_pe)
+    cache.append(*latents(layer, hidden))
     return cache
+
+
+def latents(layer, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache entries of hidden [B,T,D] at positions 0..T-1: the kv half of `layer.project`."""
+    cfg = layer.cfg
+    with torch.no_grad():
+        latent = layer.kv_a_proj_with_mqa(hidden)
+        c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        cos, sin = layer.rope.cos_sin(torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
+        return layer.kv_a_layernorm(c_kv), layer.rope.apply(k_pe, cos, sin)
 
 
 def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -52,8 +59,7 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 def latent_error(layer, hidden, quant) -> float:
     """||dequant(quant(c)) - c|| / ||c|| over the normalized latents themselves."""
-    with torch.no_grad():
-        _, _, c_kv, _ = layer.project(hidden, torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
+    c_kv, _ = latents(layer, hidden)
     flat = c_kv.reshape(-1, c_kv.shape[-1])
     back = dequantize(*quantize(flat, quant), torch.float32)
     return ((back - flat).norm() / flat.norm()).item()

@@ -42,6 +42,9 @@ class PagedLatentCache:
         quant: str | None = None,
         device: torch.device | str | None = None,
     ):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_batch", max_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.blocks = BlockManager(num_blocks, block_size, max_batch)
         if num_blocks * block_size >= BLOCK_SENTINEL:
             raise ValueError(

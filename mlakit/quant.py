@@ -48,7 +48,7 @@ def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> Token
     """Where each part of a token sits in its row of bytes; each field aligned to its element size."""
     check_quant(quant)
     if not dtype.is_floating_point or dtype.itemsize < 2:
-        raise ValueError(f"dtype must be a 16- or 32-bit float (the compute dtype), got {dtype}")
+        raise ValueError(f"dtype must be a floating-point compute dtype of 16 bits or more, got {dtype}")
     latent_width = cfg.kv_lora_rank
     if quant == "fp8" and latent_width % FP8_GROUP:
         raise ValueError(f"fp8 needs kv_lora_rank divisible by {FP8_GROUP}, got {latent_width}")

@@ -7,11 +7,11 @@ import pytest
 import torch
 from paged_helpers import assert_close, make_layer, randn, small_config
 
-from mlakit import LatentCache, MLAConfig
+from mlakit import LatentCache, MLAConfig, PagedLatentCache
 from mlakit.blocks import BlockManager
 from mlakit.ops import absorb
 from mlakit.ops.paged import absorb_chunked
-from mlakit.paged import BLOCK_SENTINEL, PagedLatentCache
+from mlakit.paged import BLOCK_SENTINEL
 
 
 def poisoned(cfg, num_blocks, block_size, max_batch, seed=0, **kw) -> PagedLatentCache:
@@ -229,10 +229,10 @@ def test_out_of_blocks_raises_before_anything_is_written():
     [
         (dict(num_blocks=0), "num_blocks must be a positive integer, got 0"),
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
-        (dict(max_batch=0), "num_slots must be a positive integer, got 0"),
+        (dict(max_batch=0), "max_batch must be a positive integer, got 0"),
         (dict(quant="fp4"), "quant must be one of"),
         (dict(quant="fp8"), "fp8 needs kv_lora_rank divisible by 128, got 20"),
-        (dict(dtype=torch.int8), "dtype must be a 16- or 32-bit float"),
+        (dict(dtype=torch.int8), "dtype must be a floating-point compute dtype of 16 bits or more"),
     ],
     ids=["blocks", "block-size", "batch", "quant", "fp8-width", "dtype"],
 )
