@@ -46,9 +46,9 @@ class PagedLatentCache:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.blocks = BlockManager(num_blocks, block_size, max_batch)
-        if num_blocks * block_size >= BLOCK_SENTINEL:
+        if num_blocks >= BLOCK_SENTINEL:
             raise ValueError(
-                f"num_blocks·block_size must be < {BLOCK_SENTINEL}, got {num_blocks * block_size}"
+                f"num_blocks must be < {BLOCK_SENTINEL} (an int32 block table), got {num_blocks}"
             )
         self.cfg = cfg
         self.layout = token_layout(cfg, dtype, quant)

@@ -36,6 +36,8 @@ def absorb_chunked(
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     keys = int(kv_lens.max())
+    if keys <= 0:
+        raise ValueError(f"kv_lens {kv_lens.tolist()} hold no key to attend")
     q_lat = fold_queries(q_nope, w_uk)  # [B, S, H, L]
     o_lat, lse = None, None
     for start in range(0, keys, chunk_tokens):
