@@ -6,7 +6,11 @@ counted term by term (mlakit.cost) and compared with the machine's matmul rates 
 run; the whole step is compared with its roofline (projection weights read at the measured memory
 rate, the core at the matmul rate). Peak RSS growth of the step is reported too.
 
-    python benchmarks/decode_core.py [--dtype bf16] [--cases 1x32768,8x8192] [--repeats 7]
+    python benchmarks/decode_core.py [--dtype bf16] [--cases 1x32768,8x8192] [--repeats 7] [--threads N]
+
+Peaks and steps are measured with the same threads in the same run. On a shared machine, OpenMP
+threads that get preempted stall every parallel op for a scheduler slice: --threads 1 then gives the
+honest per-core figure.
 """
 
 from __future__ import annotations
@@ -128,7 +132,12 @@ def main() -> None:
     ap.add_argument("--cases", default="1x32768,8x8192", help="batch x cached, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's); 1 is robust on a shared machine"
+    )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     cd = compute_dtype(dtype, "cpu")
     cfg = MLAConfig.preset("deepseek-v3")

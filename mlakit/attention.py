@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -12,6 +14,8 @@ from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
+from mlakit.ops.paged import absorb_chunked
+from mlakit.paged import PagedLatentCache
 from mlakit.rope import RotaryTable
 
 
@@ -32,7 +36,8 @@ class RMSNorm(nn.Module):
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention with transformers' parameter names.
 
-    `forward(hidden_states [B,S,D], cache=None, *, mode="auto", slots=None) -> [B,S,D]`.
+    `forward(hidden_states [B,S,D], cache=None, *, mode="auto", slots=None, new_tokens=None) -> [B,S,D]`,
+    `cache` a `LatentCache` or a `PagedLatentCache`.
     """
 
     def __init__(self, cfg: MLAConfig, *, device=None, dtype=None):
@@ -56,6 +61,7 @@ class MLAAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
         self.last_mode: str | None = None
+        self.last_row_modes: list[str] = []
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
         self.register_buffer("w_uk", None, persistent=False)
@@ -90,31 +96,94 @@ class MLAAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        cache: LatentCache | None = None,
+        cache: LatentCache | PagedLatentCache | None = None,
         *,
         mode: str = "auto",
         slots: Slots = None,
+        new_tokens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
+        """`new_tokens` [B] (optional) makes a ragged batch: row b brings its first new_tokens[b]
+        positions of `hidden_states` (the rest is padding, never read; its output is zero)."""
         check_mode(mode)
         self._check_hidden(hidden_states)
         batch, new, _ = hidden_states.shape
+        counts = self._check_counts(new_tokens, batch, new)
         if cache is None:
             if slots is not None:
                 raise ValueError("slots were given without a cache")
             slot_ids, start = None, torch.zeros(batch, dtype=torch.long)
         else:
-            slot_ids = self._check_cache(cache, batch, new, slots)
+            slot_ids = self._check_cache(cache, batch, new if counts is None else counts, slots)
             start = cache.lengths[slot_ids].clone()
         positions = (start[:, None] + torch.arange(new)).to(hidden_states.device)  # [B, S]
         q_nope, q_pe, c_kv, k_pe = self.project(hidden_states, positions)
+        if counts is not None:
+            out = self._ragged(mode, q_nope, q_pe, c_kv, k_pe, start, counts, cache, slot_ids)
+            return self.o_proj(out.reshape(batch, new, -1)) * _valid(counts, new, out.device)[..., None]
         kv_lens = start + new
-        if cache is not None:
-            cache._write(c_kv, k_pe, slot_ids)
-            c_kv, k_pe = cache.view(slot_ids, int(kv_lens.max()))
         run = choose(self.cfg, new, start.tolist(), profile=self.profile) if mode == "auto" else mode
-        out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+        if cache is None:
+            out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+        else:
+            cache._write(c_kv, k_pe, slot_ids)
+            out, _ = self.attend_cache(run, q_nope, q_pe, cache, slot_ids, kv_lens)
         self.last_mode = run
+        self.last_row_modes = [run] * batch
         return self.o_proj(out.reshape(batch, new, -1))
+
+    def _ragged(self, mode, q_nope, q_pe, c_kv, k_pe, start, counts, cache, slot_ids):
+        """Rows of different new-token counts: write each row's tokens, then run each group of rows
+        on the path "auto" picks for it (or `mode`). Returns out [B,S,H,dv], zero past each count."""
+        batch, new = q_nope.shape[:2]
+        kv_lens = start + counts
+        if cache is None:
+            # padding stays out of the context (its latent may be anything, even NaN)
+            keep = _valid(counts, new, c_kv.device)[..., None]
+            c_kv, k_pe = c_kv.where(keep, 0), k_pe.where(keep, 0)
+        else:
+            for n in counts.unique().tolist():
+                rows = torch.nonzero(counts == n).flatten()
+                dev_rows = rows.to(c_kv.device)
+                cache._write(c_kv[dev_rows, :n], k_pe[dev_rows, :n], slot_ids[rows])
+        runs = [
+            mode if mode != "auto" else choose(self.cfg, c, s, profile=self.profile)
+            for c, s in zip(counts.tolist(), start.tolist(), strict=True)
+        ]
+        out = q_nope.new_zeros(batch, new, q_nope.shape[2], self.cfg.v_head_dim)
+        for run in sorted(set(runs)):
+            rows = torch.tensor([b for b in range(batch) if runs[b] == run])
+            self._attend_rows(run, rows, out, q_nope, q_pe, c_kv, k_pe, kv_lens, counts, cache, slot_ids)
+        self.last_mode = runs[0] if len(set(runs)) == 1 else "mixed"
+        self.last_row_modes = runs
+        return out
+
+    def _attend_rows(self, run, rows, out, q_nope, q_pe, c_kv, k_pe, kv_lens, counts, cache, slot_ids):
+        """One path over some rows: each row's queries are moved to the end of a window of the group's
+        largest count (the ops' queries are the last tokens of each context), then moved back to `out`."""
+        lens, n = kv_lens[rows], counts[rows]
+        width = int(n.max())
+        # query i of the window is row token i - (width - n): the first ones repeat token 0 (discarded)
+        src = (torch.arange(width)[None, :] - (width - n)[:, None]).clamp_min(0)  # [R, width]
+        dev_rows, dev_src = rows.to(q_nope.device), src.to(q_nope.device)
+        q_n = q_nope[dev_rows[:, None], dev_src]  # [R, width, H, dn]
+        q_p = q_pe[dev_rows[:, None], dev_src]
+        if cache is None:
+            top = int(lens.max())
+            o, _ = self.attend(run, q_n, q_p, c_kv[dev_rows, :top], k_pe[dev_rows, :top], lens)
+        else:
+            o, _ = self.attend_cache(run, q_n, q_p, cache, slot_ids[rows], lens)  # [R, width, H, dv]
+        for j, (row, count) in enumerate(zip(rows.tolist(), n.tolist(), strict=True)):
+            out[row, :count] = o[j, width - count :]
+
+    def attend_cache(self, run, q_nope, q_pe, cache, slots, kv_lens):
+        """Run one path over the cached context of `slots`. Absorb reads a paged cache's pages chunk by
+        chunk (no gather of the whole context); otherwise the context is the cache's view."""
+        if run == "absorb" and isinstance(cache, PagedLatentCache):
+            w_uk, w_uv = self.up_weights()
+            read = cache.reader(slots, int(kv_lens.max()))
+            return absorb_chunked(q_nope, q_pe, read, kv_lens, w_uk, w_uv, self.scale)
+        c_kv, k_pe = cache.view(slots, int(kv_lens.max()))
+        return self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
 
     def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens):
         """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None)."""
@@ -169,7 +238,24 @@ class MLAAttention(nn.Module):
         if x.device != self.device:
             raise ValueError(f"hidden_states is on {x.device}, layer is on {self.device}")
 
-    def _check_cache(self, cache: LatentCache, batch: int, new: int, slots: Slots) -> torch.Tensor:
+    def _check_counts(self, new_tokens, batch: int, new: int) -> torch.Tensor | None:
+        """Per-row new-token counts as a CPU LongTensor [B], or None when every row brings all S tokens."""
+        if new_tokens is None:
+            return None
+        counts = torch.as_tensor(new_tokens).to("cpu")
+        if counts.dtype.is_floating_point or counts.dtype == torch.bool or tuple(counts.shape) != (batch,):
+            raise ValueError(
+                f"new_tokens must be {batch} integers (one per row), "
+                f"got {counts.dtype} of shape {tuple(counts.shape)}"
+            )
+        counts = counts.long()
+        if bool(((counts < 1) | (counts > new)).any()):
+            raise ValueError(
+                f"new_tokens {counts.tolist()} outside 1..{new} (the padded width of hidden_states)"
+            )
+        return None if bool((counts == new).all()) else counts
+
+    def _check_cache(self, cache, batch: int, new: int | torch.Tensor, slots: Slots) -> torch.Tensor:
         if cache.cfg.latent_dim != self.cfg.latent_dim or cache.cfg.kv_lora_rank != self.cfg.kv_lora_rank:
             raise ValueError(
                 f"cache holds latents of width {cache.cfg.kv_lora_rank}+{cache.cfg.qk_rope_head_dim}, "
@@ -183,3 +269,8 @@ class MLAAttention(nn.Module):
         slot_ids = cache.resolve_slots(slots, batch)
         cache.check_append(new, slot_ids)
         return slot_ids
+
+
+def _valid(counts: torch.Tensor, new: int, device) -> torch.Tensor:
+    """Bool [B, S]: position i of row b is one of its new tokens."""
+    return (torch.arange(new)[None, :] < counts[:, None]).to(device)

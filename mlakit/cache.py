@@ -69,17 +69,17 @@ class LatentCache:
             raise ValueError(f"slots {s.tolist()} has duplicates; each row needs its own slot")
         return s
 
-    def check_append(self, new_tokens: int, slots: torch.Tensor) -> None:
-        """Raise before any write if `new_tokens` more tokens do not fit in each of `slots`."""
-        if new_tokens <= 0:
-            raise ValueError(f"appending {new_tokens} tokens; expected at least 1")
-        after = self.lengths[slots] + new_tokens
+    def check_append(self, new_tokens: int | torch.Tensor, slots: torch.Tensor) -> None:
+        """Raise before any write if `new_tokens` (one count or one per row) do not fit in `slots`."""
+        counts = row_counts(new_tokens, slots.numel())
+        after = self.lengths[slots] + counts
         over = after > self.max_seq_len
         if bool(over.any()):
             bad = slots[over].tolist()
+            shown = new_tokens if isinstance(new_tokens, int) else counts[over].tolist()
             raise ValueError(
-                f"appending {new_tokens} tokens overflows slots {bad}: lengths "
-                f"{self.lengths[slots][over].tolist()} + {new_tokens} > max_seq_len {self.max_seq_len}"
+                f"appending {shown} tokens overflows slots {bad}: lengths "
+                f"{self.lengths[slots][over].tolist()} + {shown} > max_seq_len {self.max_seq_len}"
             )
 
     def check_lengths(self) -> None:
@@ -136,3 +136,19 @@ class LatentCache:
             )
         idx = slots.to(self.device)
         return self.c_kv[idx, :max_len], self.k_pe[idx, :max_len]
+
+
+def row_counts(new_tokens: int | torch.Tensor, rows: int) -> torch.Tensor:
+    """New tokens per row as a CPU LongTensor [rows], from one count for all rows or one per row (>= 1)."""
+    if isinstance(new_tokens, torch.Tensor):
+        counts = new_tokens.to("cpu", torch.long).reshape(-1)
+        if counts.numel() != rows:
+            raise ValueError(
+                f"new token counts {counts.tolist()} have {counts.numel()} entries, expected {rows}"
+            )
+    else:
+        counts = torch.full((rows,), int(new_tokens), dtype=torch.long)
+    if bool((counts <= 0).any()):
+        shown = new_tokens if isinstance(new_tokens, int) else counts.tolist()
+        raise ValueError(f"appending {shown} tokens; expected at least 1")
+    return counts

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlakit.ops.common import compute_dtype
 
 # rows from which converting weight blocks to fp32 beats torch's generic bf16 kernel (measured on a
-# 2-core AVX2 EPYC: the generic kernel costs ~7 ms per row for a 2048×7168 weight, a converted block
-# pass ~25 ms in all); below it the native matrix-vector path is memory-bound and fine
-UPCAST_MIN_ROWS = 8
+# 2-core AVX2 EPYC for a 7168×16384 weight: the generic kernel costs ~40 ms per row, one converted
+# pass ~400–800 ms in all, so they cross between 8 and 32 rows); fewer rows stay native
+UPCAST_MIN_ROWS = 16
 # weight rows converted at once (256 × 7168 fp32 = 7 MB)
 WEIGHT_BLOCK = 256
 
@@ -33,9 +32,15 @@ def upcast_linear(
 ) -> torch.Tensor:
     """x · wᵀ (+ bias) with the weight converted block by block to `cd`; output in x's dtype."""
     flat = x.reshape(-1, x.shape[-1]).to(cd)  # [N, in]
-    out = torch.empty(flat.shape[0], w.shape[0], dtype=cd, device=x.device)
+    out_t = torch.empty(w.shape[0], flat.shape[0], dtype=cd, device=x.device)  # [out, N]
+    # one reused block buffer: a fresh tensor per block costs page faults slower than the copy
+    buf = torch.empty(min(WEIGHT_BLOCK, w.shape[0]), w.shape[1], dtype=cd, device=x.device)
     for start in range(0, w.shape[0], WEIGHT_BLOCK):
         stop = min(w.shape[0], start + WEIGHT_BLOCK)
-        b = None if bias is None else bias[start:stop].to(cd)
-        out[:, start:stop] = F.linear(flat, w[start:stop].to(cd), b)
+        block = buf[: stop - start]
+        block.copy_(w[start:stop])
+        torch.mm(block, flat.t(), out=out_t[start:stop])
+    out = out_t.t()
+    if bias is not None:
+        out = out + bias.to(cd)
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -130,18 +130,32 @@ def _one_block(q_l, q_r, c, kp, mask):
 
 
 def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
-    """Online softmax over key blocks: running max, denominator and unnormalized output in fp32."""
-    rows = q_l.shape[:2]
+    """Online softmax over key blocks: running max, denominator and unnormalized output in fp32.
+
+    Converted blocks and scores live in buffers allocated once per call: a fresh multi-MB tensor per
+    block costs page faults that were measured to be slower than the conversion itself.
+    """
+    batch, rows = q_l.shape[:2]
     keys = c_kv.shape[1]
+    block = min(KEY_BLOCK, keys)
     f = {"dtype": acc_dtype(cd), "device": q_l.device}
-    peak = torch.full(rows, float("-inf"), **f)
-    denom = torch.zeros(rows, **f)
-    acc = torch.zeros(*rows, c_kv.shape[-1], **f)
-    for k0 in range(0, keys, KEY_BLOCK):
-        k1 = min(keys, k0 + KEY_BLOCK)
+    peak = torch.full((batch, rows), float("-inf"), **f)
+    denom = torch.zeros(batch, rows, **f)
+    acc = torch.zeros(batch, rows, c_kv.shape[-1], **f)
+    c_buf = _buffer(c_kv, block, cd)
+    k_buf = _buffer(k_pe, block, cd)
+    s_buf = torch.empty(batch * rows * block, dtype=cd, device=q_l.device)
+    for k0 in range(0, keys, block):
+        k1 = min(keys, k0 + block)
         block_mask = None if mask is None else mask[..., k0:k1]
-        c = _visible_values(c_kv[:, k0:k1].to(cd), block_mask)  # [B, T_blk, L]: converted once, used twice
-        scores = _scores(q_l, q_r, c, k_pe[:, k0:k1].to(cd), block_mask)
+        c = _visible_values(
+            _convert(c_kv[:, k0:k1], c_buf), block_mask
+        )  # [B, t, L]: converted once, used twice
+        scores = s_buf[: batch * rows * (k1 - k0)].view(batch, rows, k1 - k0)
+        torch.bmm(q_r, _convert(k_pe[:, k0:k1], k_buf).transpose(1, 2), out=scores)
+        scores = scores.baddbmm_(q_l, c.transpose(1, 2)).to(acc.dtype)
+        if block_mask is not None:
+            scores.view(batch, block_mask.shape[1], -1, k1 - k0).masked_fill_(block_mask, float("-inf"))
         new_peak = torch.maximum(peak, scores.amax(dim=-1))
         safe = torch.where(torch.isinf(new_peak), torch.zeros_like(new_peak), new_peak)
         probs = scores.sub_(safe[..., None]).exp_()
@@ -155,3 +169,18 @@ def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
         peak = new_peak
     lse = peak + torch.log(denom)
     return acc.div_(denom.clamp_min(torch.finfo(acc.dtype).tiny)[..., None]), lse
+
+
+def _buffer(x: torch.Tensor, block: int, cd: torch.dtype) -> torch.Tensor | None:
+    """A [B, block, width] buffer in `cd` when x must be converted, else None."""
+    if x.dtype == cd:
+        return None
+    return torch.empty(x.shape[0], block, x.shape[-1], dtype=cd, device=x.device)
+
+
+def _convert(x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    if buf is None:
+        return x
+    out = buf[:, : x.shape[1]]
+    out.copy_(x)
+    return out

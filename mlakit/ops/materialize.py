@@ -19,7 +19,9 @@ from mlakit.ops.common import (
 )
 from mlakit.ops.merge import merge
 
-DEFAULT_WORKSPACE_TOKENS = 16384
+# 4,096 keeps 512 new tokens over 64K cached at DeepSeek-V3 widths in bf16 at ~1.5 GB of peak tensors
+# (docs/cache.md); one shot would expand 5.4 GB of K/V
+DEFAULT_WORKSPACE_TOKENS = 4096
 
 
 def materialize(
@@ -47,15 +49,15 @@ def materialize(
         latent, rope = (zero_past_lengths(t[:, :keys], kv_lens, 0).to(cd) for t in (c_kv, k_pe))
         k, v = expand(latent, rope, w_uk, w_uv)
         return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask).to(q_nope.dtype), None
-    outs, lses = [], []
+    out = lse = None
     for start in range(0, keys, workspace_tokens):
         stop = min(keys, start + workspace_tokens)
         latent, rope = (zero_past_lengths(t[:, start:stop], kv_lens, start).to(cd) for t in (c_kv, k_pe))
         k, v = expand(latent, rope, w_uk, w_uv)
-        out, lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = merge(outs, lses)
+        part, part_lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
+        # free this chunk's K/V before the next is expanded, and fold the part in at once
+        del k, v, latent, rope
+        out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
     return out.to(q_nope.dtype), lse
 
 
@@ -89,10 +91,16 @@ def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
     for start in range(0, new, step):
         stop = min(new, start + step)
         scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3))  # [B, H, s, T]
-        scores = scores.to(acc_dtype(scores.dtype)) * scale
+        scores = scores.to(acc_dtype(scores.dtype))
         mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device, key_mask)
-        if mask is not None:
-            scores = scores.masked_fill(mask[:, None], float("-inf"))
+        if scores.requires_grad:
+            scores = scores * scale
+            if mask is not None:
+                scores = scores.masked_fill(mask[:, None], float("-inf"))
+        else:
+            scores.mul_(scale)
+            if mask is not None:
+                scores.masked_fill_(mask[:, None], float("-inf"))
         probs, lse = softmax_lse(scores)
         outs.append(torch.matmul(probs.to(v.dtype), v).to(probs.dtype).transpose(1, 2))  # [B, s, H, dv]
         lses.append(lse.transpose(1, 2))

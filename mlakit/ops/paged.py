@@ -1,0 +1,63 @@
+"""Absorb over a context read chunk by chunk (pages of a paged cache), merged by log-sum-exp.
+
+Same result as `absorb` over the gathered context, without gathering it: each chunk of
+`chunk_tokens` keys is read (and dequantized) into a small buffer, attended by every query, and
+merged into a running (latent output, lse) pair in fp32. Extra memory: one chunk, whatever the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
+from mlakit.ops.common import context_mask, query_chunk
+from mlakit.ops.merge import merge
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+# read(start, stop) -> (c_kv [B, stop-start, L], k_pe [B, stop-start, dr]): keys start..stop-1 of each row
+Reader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def absorb_chunked(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    read: Reader,
+    kv_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    keys = int(kv_lens.max())
+    if keys <= 0:
+        raise ValueError(f"kv_lens {kv_lens.tolist()} hold no key to attend")
+    q_lat = fold_queries(q_nope, w_uk)  # [B, S, H, L]
+    o_lat, lse = None, None
+    for start in range(0, keys, chunk_tokens):
+        stop = min(keys, start + chunk_tokens)
+        c_kv, k_pe = read(start, stop)
+        part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale)
+        o_lat, lse = part if o_lat is None else merge([o_lat, part[0]], [lse, part[1]])
+    return unfold_values(o_lat.to(q_nope.dtype), w_uv), lse
+
+
+def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale):
+    """Every query against keys key_start.. (global positions): (o_lat [B,S,H,L] fp32, lse [B,S,H])."""
+    batch, new, heads, _ = q_lat.shape
+    keys = c_kv.shape[1]
+    outs, lses = [], []
+    step = query_chunk(heads * batch, keys, new)
+    for start in range(0, new, step):
+        stop = min(new, start + step)
+        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, c_kv.device)
+        o, lse = latent_attention(q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale)
+        outs.append(o.float())
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
