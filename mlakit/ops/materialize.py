@@ -75,11 +75,22 @@ def expand(
 
 def _sdpa(q, k, v, kv_lens, new, scale, key_mask):
     keys = k.shape[2]
-    mask = context_mask(kv_lens, new, 0, new, 0, keys, q.device, key_mask)
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:
+        # fused SDPA kernels want one head width: with V narrower than K (128 vs 192 for V3) the CPU
+        # falls back to the math kernel, which holds H·S·T fp32 scores (19 GB at 4K new tokens)
+        # (laid out like k: a padded V in another layout sends it back to the math kernel)
+        padded = torch.empty_like(k) if dv < k.shape[-1] else None
+        if padded is not None:
+            padded[..., :dv].copy_(v)
+            padded[..., dv:].zero_()
+            v = padded
+    causal = key_mask is None and new == keys and bool((kv_lens == keys).all())
+    mask = None if causal else context_mask(kv_lens, new, 0, new, 0, keys, q.device, key_mask)
     if mask is not None:
         mask = ~mask[:, None]  # SDPA keeps True
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, S, dv]
-    return out.transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and new > 1, scale=scale)
+    return out[..., :dv].transpose(1, 2)  # [B, S, H, dv]
 
 
 def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
