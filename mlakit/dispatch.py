@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -31,7 +32,27 @@ def choose(
         picked = profile.decide(cfg, new, context)
         if picked is not None:
             return picked
-    point = crossover(cfg, context).exact
+    point = _exact_crossover(_widths(cfg), context)
     if point is None or new < point:
         return "absorb"
     return "materialize"
+
+
+def _widths(cfg: MLAConfig) -> tuple[int, ...]:
+    return (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+
+@functools.lru_cache(maxsize=65536)
+def _exact_crossover(widths: tuple[int, ...], context: int) -> float | None:
+    # choose() runs per layer per step; the crossover depends on these widths and the context only
+    heads, latent, nope, rope, value = widths
+    cfg = MLAConfig(
+        hidden_size=heads,
+        num_heads=heads,
+        q_lora_rank=None,
+        kv_lora_rank=latent,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=value,
+    )
+    return crossover(cfg, context).exact
