@@ -33,6 +33,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def project_unrotated(
+    m: nn.Module, cfg: MLAConfig, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections of a module with transformers' MLA submodule names, before rope:
+    q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr]."""
+    batch, new, _ = hidden_states.shape
+    if cfg.q_lora_rank is None:
+        q = m.q_proj(hidden_states)
+    else:
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+    q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    latent = m.kv_a_proj_with_mqa(hidden_states)
+    c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return q_nope, q_pe, m.kv_a_layernorm(c_kv), k_pe
+
+
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention with transformers' parameter names.
 
@@ -208,17 +225,7 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B,S,D], positions [B,S] → q_nope [B,S,H,dn], q_pe [B,S,H,dr] (rotated),
         c_kv [B,S,L] (normalized), k_pe [B,S,dr] (rotated)."""
-        cfg = self.cfg
-        batch, new, _ = hidden_states.shape
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_proj_with_mqa(hidden_states)
-        c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
+        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states)
         cos, sin = self.rope.cos_sin(positions)  # [B, S, dr/2]
         q_pe = self.rope.apply(q_pe, cos[:, :, None], sin[:, :, None])
         k_pe = self.rope.apply(k_pe, cos, sin)

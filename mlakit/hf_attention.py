@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from mlakit.attention import MLAAttention
+from mlakit.attention import MLAAttention, project_unrotated
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.ops import absorb, materialize
@@ -106,16 +106,9 @@ class PatchedMLAAttention(nn.Module):
         """q_nope [B,S,H,dn], q_rot [B,S,H,dr] (rotated), c_kv [B,1,S,L], k_rot [B,1,S,dr] (rotated)."""
         cfg = self.cfg
         batch, new, _ = hidden_states.shape
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
-        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_proj_with_mqa(hidden_states)
-        c_kv, k_rot = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        q_nope, q_rot, c_kv, k_rot = project_unrotated(self, cfg, hidden_states)
         # the cache layout transformers uses: single-head 4D latents
-        c_kv = self.kv_a_layernorm(c_kv).view(batch, 1, new, cfg.kv_lora_rank)
+        c_kv = c_kv.view(batch, 1, new, cfg.kv_lora_rank)
         k_rot = k_rot.view(batch, 1, new, cfg.qk_rope_head_dim)
         q_rot, k_rot = self._rotate(q_rot.transpose(1, 2), k_rot, position_embeddings)
         return q_nope, q_rot.transpose(1, 2), c_kv, k_rot
