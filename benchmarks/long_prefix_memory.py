@@ -88,7 +88,7 @@ def status_kb(field: str) -> int:
 def child(args) -> dict:
     """One measurement, in this (fresh) process."""
     from mlakit import MLAAttention, MLAConfig
-    from mlakit.paged import PagedLatentCache
+    from mlakit.cache.paged import PagedLatentCache
 
     torch.manual_seed(0)
     cfg = MLAConfig.resolve(args.model)

@@ -20,9 +20,9 @@ import time
 import torch
 
 from mlakit import LatentCache, MLAConfig
+from mlakit.cache.paged import PagedLatentCache
 from mlakit.ops import absorb
 from mlakit.ops.paged import DEFAULT_CHUNK_TOKENS, absorb_chunked
-from mlakit.paged import PagedLatentCache
 
 WIDTHS = (26, 8, 11, 10, 9, 9, 9, 10, 10)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

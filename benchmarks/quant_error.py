@@ -16,8 +16,8 @@ import json
 import torch
 
 from mlakit import MLAAttention, MLAConfig
-from mlakit.paged import PagedLatentCache
-from mlakit.quant import dequantize, quantize
+from mlakit.cache.paged import PagedLatentCache
+from mlakit.cache.quant import dequantize, quantize
 
 
 def seeded_layer(cfg: MLAConfig, seed: int) -> MLAAttention:

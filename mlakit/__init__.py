@@ -1,9 +1,9 @@
 """mlakit: Multi-head Latent Attention with both algorithms, the cost model and the crossover."""
 
 from mlakit.attention import MLAAttention
-from mlakit.cache import LatentCache
+from mlakit.cache.contiguous import LatentCache
+from mlakit.cache.paged import PagedLatentCache
 from mlakit.config import PRESETS, MLAConfig
-from mlakit.paged import PagedLatentCache
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mlakit.cache import LatentCache, Slots
+from mlakit.cache.contiguous import LatentCache, Slots
+from mlakit.cache.paged import PagedLatentCache
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.linear import Linear
@@ -15,7 +16,6 @@ from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
-from mlakit.paged import PagedLatentCache
 from mlakit.rope import RotaryTable
 
 

@@ -103,7 +103,7 @@ class MLAConfig:
     @classmethod
     def from_hf(cls, source: Any) -> MLAConfig:
         """From a transformers config object, a dict, a config.json path or a model folder."""
-        from mlakit.hf_config import config_dict_to_kwargs, load_config_dict
+        from mlakit.hf.config import config_dict_to_kwargs, load_config_dict
 
         d = load_config_dict(source)
         return cls(**config_dict_to_kwargs(d))

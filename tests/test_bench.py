@@ -402,7 +402,7 @@ def test_profile_roundtrip_find_and_attach(cache_dir):
     layer = MLAAttention(TINY)
     assert attach(layer) == p and layer.profile == p
     hidden = torch.randn(1, 20, TINY.hidden_size)
-    from mlakit.cache import LatentCache
+    from mlakit.cache.contiguous import LatentCache
 
     cache = LatentCache(TINY, 1, 600)
     cache.lengths[0] = 256

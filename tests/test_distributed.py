@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mlakit.attention import MLAAttention
-from mlakit.cache import LatentCache
+from mlakit.cache.contiguous import LatentCache
 from mlakit.cli import main
 from mlakit.config import MLAConfig
 from mlakit.distributed import (

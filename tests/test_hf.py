@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import mlakit.hf as mhf  # noqa: E402
-from mlakit.hf_attention import PatchedMLAAttention, key_padding  # noqa: E402
+from mlakit.hf.attention import PatchedMLAAttention, key_padding  # noqa: E402
 
 PAD = 3
 NEW_TOKENS = 24

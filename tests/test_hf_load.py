@@ -14,7 +14,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from test_hf import assert_close, one_thread, tiny_model  # noqa: E402, F401 (one_thread: autouse fixture)
 
-import mlakit.hf_load as hf_load  # noqa: E402
+import mlakit.hf.load as hf_load  # noqa: E402
 from mlakit.hf import load_attention  # noqa: E402
 
 LAYER = 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from paged_helpers import PeakMemory, assert_close, make_layer, randn, small_config
 
-from mlakit.paged import PagedLatentCache
+from mlakit.cache.paged import PagedLatentCache
 
 # many heads over a narrow latent, as in DeepSeek-V3 (128 heads x 320 values vs 576 per token)
 WIDE = dict(num_heads=32, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, qk_rope_head_dim=4)

@@ -8,8 +8,8 @@ import torch
 from paged_helpers import assert_close, make_layer, randn, small_config
 
 from mlakit import LatentCache
+from mlakit.cache.paged import PagedLatentCache
 from mlakit.dispatch import choose
-from mlakit.paged import PagedLatentCache
 
 PREFIX = [7, 0, 12, 3]  # tokens already cached in slots 0..3
 COUNTS = [1, 9, 1, 5]  # decode, prefill, decode, chunk

@@ -8,10 +8,10 @@ import torch
 from paged_helpers import assert_close, make_layer, randn, small_config
 
 from mlakit import LatentCache, MLAConfig, PagedLatentCache
-from mlakit.blocks import BlockManager
+from mlakit.cache.blocks import BlockManager
+from mlakit.cache.paged import BLOCK_SENTINEL
 from mlakit.ops import absorb
 from mlakit.ops.paged import absorb_chunked
-from mlakit.paged import BLOCK_SENTINEL
 
 
 def poisoned(cfg, num_blocks, block_size, max_batch, seed=0, **kw) -> PagedLatentCache:

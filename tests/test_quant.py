@@ -8,8 +8,8 @@ import torch
 from paged_helpers import assert_close, make_layer, quant_config, randn, rel_error
 
 from mlakit import MLAConfig
-from mlakit.paged import PagedLatentCache
-from mlakit.quant import FP8_MAX, dequantize, quantize, token_layout
+from mlakit.cache.paged import PagedLatentCache
+from mlakit.cache.quant import FP8_MAX, dequantize, quantize, token_layout
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from mlakit.bench.context import BenchContext, CellInputs
 from mlakit.bench.grid import Cell
 from mlakit.bench.kv import KVLayer, naive_attention
 from mlakit.bench.layers import einsum_absorb
-from mlakit.cache import LatentCache
+from mlakit.cache.contiguous import LatentCache
 from mlakit.ops import reference
 
 

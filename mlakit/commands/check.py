@@ -7,7 +7,7 @@ import time
 import torch
 
 from mlakit.attention import MLAAttention
-from mlakit.cache import LatentCache
+from mlakit.cache.contiguous import LatentCache
 from mlakit.commands import emit_json
 from mlakit.config import MLAConfig
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import math
 
 from mlakit.config import MLAConfig
-from mlakit.distributed_cp import (
+from mlakit.distributed.cp import (
     DEFAULT_BLOCK_SIZE,
     BlockPlacement,
     ContextParallelCache,
     ContextParallelMLA,
     owned_tokens,
 )
-from mlakit.distributed_group import DEFAULT_TIMEOUT_S, RankFailure, agree, launch_local
-from mlakit.distributed_tp import TensorParallelMLA, head_range, shard_state_dict
+from mlakit.distributed.group import DEFAULT_TIMEOUT_S, RankFailure, agree, launch_local
+from mlakit.distributed.tp import TensorParallelMLA, head_range, shard_state_dict
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

@@ -1,18 +1,11 @@
-"""transformers bridge: patch a model's MLA layers to run mlakit, and load one layer from a checkpoint.
-
-`patch(model)` makes every MLA attention of a transformers model decode with absorb (weights shared,
-the cache still holding only the latent); `model.generate(...)` then returns the same tokens, faster;
-`unpatch(model)` puts the original modules back. `load_attention(folder, layer)` builds one
-`MLAAttention` from a safetensors checkpoint.
-"""
+"""patch(model) / unpatch(model): swap a transformers model's MLA attentions for mlakit's and back."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from mlakit.dispatch import check_mode
-from mlakit.hf_attention import PatchedMLAAttention, is_supported_attention
-from mlakit.hf_load import load_attention
+from mlakit.hf.attention import PatchedMLAAttention, is_supported_attention
 
 SUPPORTED_MODELS = (
     "DeepseekV2ForCausalLM",
@@ -25,7 +18,7 @@ SUPPORTED_MODELS = (
     "MiniCPM3Model",
 )
 
-__all__ = ["SUPPORTED_MODELS", "PatchedMLAAttention", "is_patched", "load_attention", "patch", "unpatch"]
+__all__ = ["SUPPORTED_MODELS", "is_patched", "patch", "unpatch"]
 
 
 def patch(model: nn.Module, *, mode: str = "auto") -> nn.Module:

@@ -17,7 +17,7 @@ import torch
 
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
-from mlakit.hf_config import load_config_dict
+from mlakit.hf.config import load_config_dict
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

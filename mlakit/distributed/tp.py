@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from mlakit.attention import MLAAttention
-from mlakit.cache import LatentCache, Slots
+from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.config import MLAConfig
-from mlakit.distributed_group import agree, all_reduce_sum, rank_and_world
+from mlakit.distributed.group import agree, all_reduce_sum, rank_and_world
 
 
 def head_range(num_heads: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from mlakit.attention import MLAAttention
-from mlakit.cache import LatentCache, Slots
+from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.config import MLAConfig
-from mlakit.distributed_group import agree, all_gather_stacked, rank_and_world
+from mlakit.distributed.group import agree, all_gather_stacked, rank_and_world
 from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
 from mlakit.ops.common import query_chunk
 from mlakit.ops.merge import merge

@@ -1,0 +1,103 @@
+"""Byte layout of one cached token, and the fp8 / int8 latent formats.
+
+Every format stores one row of bytes per token: the latent `c_kv` (L values), its scales when
+quantized, then the rope key `k_pe` (dr values) in the compute dtype, never quantized (16 bits in
+serving, so rope scores are exact). For DeepSeek-V3 widths (L 512, dr 64) in bf16:
+
+- None: 512 + 64 values of 2 bytes                                          = 1152 bytes;
+- "fp8":  512 e4m3 values, 4 fp32 scales (one per 128 values), 64 bf16 rope = 656 bytes (FlashMLA's);
+- "int8": 512 int8 values, 1 fp32 scale per token, 64 bf16 rope             = 644 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlakit.config import MLAConfig
+
+QUANTS = (None, "fp8", "int8")
+FP8_GROUP = 128  # latent values sharing one fp8 scale
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+INT8_MAX = 127  # symmetric: -127..127
+
+
+@dataclass(frozen=True)
+class Field:
+    dtype: torch.dtype
+    count: int  # values per token
+    offset: int  # bytes from the start of the token's row
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    quant: str | None
+    latent: Field
+    scale: Field | None  # fp32 scales of the latent; None when not quantized
+    rope: Field
+    row_bytes: int  # bytes per token, padding for alignment included (none at usual widths)
+
+
+def check_quant(quant: str | None) -> None:
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+
+
+def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> TokenLayout:
+    """Where each part of a token sits in its row of bytes; each field aligned to its element size."""
+    check_quant(quant)
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"dtype must be a floating-point compute dtype of 16 bits or more, got {dtype}")
+    latent_width = cfg.kv_lora_rank
+    if quant == "fp8" and latent_width % FP8_GROUP:
+        raise ValueError(f"fp8 needs kv_lora_rank divisible by {FP8_GROUP}, got {latent_width}")
+    parts = [("latent", {None: dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[quant], latent_width)]
+    if quant is not None:
+        parts.append(("scale", torch.float32, latent_width // FP8_GROUP if quant == "fp8" else 1))
+    parts.append(("rope", dtype, cfg.qk_rope_head_dim))
+    fields, offset = {}, 0
+    for name, dt, count in parts:
+        offset = _align(offset, dt.itemsize)
+        fields[name] = Field(dt, count, offset)
+        offset += dt.itemsize * count
+    row = _align(offset, max(dt.itemsize for _, dt, _ in parts))
+    return TokenLayout(quant, fields["latent"], fields.get("scale"), fields["rope"], row)
+
+
+def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
+    """Typed view [N, count] of one field of a uint8 tensor of token rows [N, row_bytes]."""
+    size = field.dtype.itemsize
+    return rows[:, field.offset : field.offset + size * field.count].view(field.dtype)
+
+
+def quantize(latent: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1])."""
+    x = latent.float()
+    n, width = x.shape
+    groups = width // FP8_GROUP if quant == "fp8" else 1
+    x = x.view(n, groups, width // groups)
+    top = FP8_MAX if quant == "fp8" else INT8_MAX
+    scale = x.abs().amax(dim=-1) / top  # [N, G]
+    # an all-zero group keeps scale 1 so that dequantizing never divides 0 by 0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = (x / scale[..., None]).clamp_(-top, top)
+    values = y.to(torch.float8_e4m3fn) if quant == "fp8" else y.round_().to(torch.int8)
+    return values.view(n, width), scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(values [N, L], scales [N, G]) → latent [N, L] in `dtype`.
+
+    One conversion and one in-place multiply in `dtype`: fp8 and int8 values are exact in bf16, so
+    the only rounding beyond the format's is the scale's (2^-9 relative in bf16).
+    """
+    n, width = values.shape
+    groups = scale.shape[-1]
+    x = values.to(dtype)
+    x.view(n, groups, width // groups).mul_(scale.to(dtype)[..., None])
+    return x
+
+
+def _align(offset: int, size: int) -> int:
+    return -(-offset // size) * size
