@@ -7,7 +7,8 @@ the cache still holding only the latent); `model.generate(...)` then returns the
 
 - `config.py`: transformers config (object, dict, config.json, folder) → MLAConfig fields; torch-free
 - `attention.py`: `PatchedMLAAttention`, the module that replaces a transformers MLA attention
-- `patch.py`: `patch`, `unpatch`, `is_patched`
+- `families.py`: every MLA attention class of transformers → how it is served, or why it is refused
+- `patch.py`: `patch`, `unpatch`, `is_patched`, `SUPPORTED` (class names), `REFUSED` (class → reason)
 - `load.py`: `load_attention` (safetensors only)
 
 Names resolve lazily, so `mlakit.hf.config` (read by `MLAConfig.from_hf`) never imports torch.
@@ -19,6 +20,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "REFUSED": "mlakit.hf.patch",
+    "SUPPORTED": "mlakit.hf.patch",
     "SUPPORTED_MODELS": "mlakit.hf.patch",
     "is_patched": "mlakit.hf.patch",
     "patch": "mlakit.hf.patch",
