@@ -17,6 +17,8 @@ Names resolve lazily, so `mlakit.hf.config` (read by `MLAConfig.from_hf`) never 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -44,3 +46,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule `mlakit.hf.patch` binds the name `patch` on this package to the module;
+    the function of the same name is what `mlakit.hf.patch` must stay."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
