@@ -334,6 +334,29 @@ def test_config_classes_with_kv_lora_rank_are_read():
     assert MLAConfig.from_hf(transformers.SarvamMLAConfig()).rope_interleave is True
 
 
+PRESET_SOURCES = {
+    "youtu-llm-2b": ("youtu", "YoutuConfig"),
+    "ax-k1": ("axk1", "AXK1Config"),
+    "mistral-small-4": ("mistral4", "Mistral4Config"),
+    "longcat-flash": ("longcat_flash", "LongcatFlashConfig"),
+    "kimi-linear-48b": ("kimi_linear", "KimiLinearConfig"),
+    "ling-3-flash": ("bailing_hybrid", "BailingHybridConfig"),
+    "hy4-preview": ("hy_v4", "HYV4Config"),
+    "ax-k2": ("axk2", "AXK2Config"),
+    "mistral-large-4": ("mistral_large4", "MistralLarge4TextConfig"),
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESET_SOURCES))
+def test_family_presets_are_the_config_class_defaults(preset):
+    folder, config_cls = PRESET_SOURCES[preset]
+    module = importlib.import_module(f"transformers.models.{folder}.configuration_{folder}")
+    want = MLAConfig.from_hf(getattr(module, config_cls)())
+    got = MLAConfig.preset(preset)
+    fields = [f for f in got.to_dict() if f not in ("name", "max_position_embeddings")]
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+
+
 # what transformers' own generation tests exercise, per supported family, patched against unpatched
 def same_generate(name, build_kwargs, seed=4, lengths=(5, 9, 2)):
     model = tiny_model(name)

@@ -119,7 +119,11 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _num_layers(d: dict[str, Any]) -> int:
-    """MLA layers (cache layers): LongCat-Flash has two per decoder layer and names them num_layers."""
+    """MLA layers (what the latent cache holds): LongCat-Flash has two per decoder layer and names them
+    num_layers; a hybrid (Kimi Linear, Ling 3) counts the layers that are not linear attention."""
     if d.get("model_type") == "longcat_flash":
         return d.get("num_hidden_layers") or 2 * d["num_layers"]
+    kinds = d.get("layer_types") or []
+    if "linear_attention" in kinds:
+        return sum(kind != "linear_attention" for kind in kinds)
     return d.get("num_hidden_layers") or 1
