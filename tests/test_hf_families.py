@@ -494,3 +494,16 @@ def test_unpatch_keeps_a_submodule_replaced_while_patched():
         warnings.simplefilter("error")
         mhf.patch(model)  # and patches again with the wrapper in place
     assert patched_layers(model)[0].kv_b_proj is original.kv_b_proj
+
+
+def test_models_command_lists_the_families(capsys):
+    from mlakit.cli import main
+
+    assert main(["models", "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)["families"]
+    assert {r["attention"] for r in rows if r["patched"]} == set(mhf.SUPPORTED)
+    assert {r["attention"]: r["reason"] for r in rows if not r["patched"]} == mhf.REFUSED
+    assert main(["models"]) == 0
+    assert "LongcatFlashMLA" in capsys.readouterr().out
