@@ -507,3 +507,20 @@ def test_models_command_lists_the_families(capsys):
     assert {r["attention"]: r["reason"] for r in rows if not r["patched"]} == mhf.REFUSED
     assert main(["models"]) == 0
     assert "LongcatFlashMLA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "longcat-flash"])
+def test_bf16_within_transformers_own_eager_vs_sdpa_noise(name):
+    """bf16: the patched model is as far from the fp32 answer as transformers' sdpa and eager are."""
+    ids, mask = prompts(seed=2, lengths=(7, 3, 11))
+    real = mask.bool()
+    with torch.no_grad():
+        want = tiny_model(name)(ids, attention_mask=mask).logits[real]
+        errors = {}
+        for attn in ("sdpa", "eager"):
+            model = tiny_model(name, attn=attn).to(torch.bfloat16)
+            errors[attn] = (model(ids, attention_mask=mask).logits[real].float() - want).abs().max().item()
+        mhf.patch(model)
+        patched = (model(ids, attention_mask=mask).logits[real].float() - want).abs().max().item()
+    print(f"{name} bf16 error vs fp32: {errors}, patched {patched:.3g}")
+    assert patched <= 2 * max(errors.values())
