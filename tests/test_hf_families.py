@@ -73,6 +73,7 @@ BAILING = dict(MOE, **HYBRID, n_group=1, topk_group=1, first_k_dense_replace=1, 
 BAILING.update(head_dim=8, layer_group_size=2, num_mtp_layers=0)
 MISTRAL4 = dict(MOE, first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=MISTRAL4_YARN)
 V3_MOE = dict(MOE, n_group=1, topk_group=1, first_k_dense_replace=1)
+DSA = dict(V3_MOE, index_topk=8, index_head_dim=16, index_n_heads=2)  # top-8 of up to 33 keys
 
 # id → (attention class, config class, causal-LM class, overrides of BASE, MLA layers in the model)
 TINY = {
@@ -90,8 +91,13 @@ TINY = {
     "kimi-linear": ("KimiLinearAttention", "KimiLinearConfig", "KimiLinearForCausalLM", KIMI, 1),
     "bailing-hybrid": ("BailingHybridAttention", "BailingHybridConfig", "BailingHybridForCausalLM",
                        BAILING, 1),
+    # DSA: refused until mlakit/hf/dsa.py flips their FAMILIES entry; then the whole table runs on them
+    "deepseek-v32": ("DeepseekV32Attention", "DeepseekV32Config", "DeepseekV32ForCausalLM", DSA, 2),
+    "glm-moe-dsa": ("GlmMoeDsaAttention", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+                    dict(DSA, indexer_types=["full", "shared"]), 2),
 }  # fmt: skip
 SUPPORTED_IDS = [k for k, v in TINY.items() if FAMILIES[v[0]].refused is None]
+REFUSED_TINY_IDS = [k for k, v in TINY.items() if FAMILIES[v[0]].refused is not None]
 # the families whose table entry carries an extra: the patched model must be wrong without it
 EXTRAS = {
     "mistral4": dict(query_position_scale=False),
@@ -250,6 +256,21 @@ def test_refused_family_raises_naming_class_and_reason(class_name):
     with pytest.raises(ValueError, match=re.escape(class_name)):  # nothing left to patch
         mhf.patch(holder, strict=False)
     assert not mhf.is_patched(holder)
+
+
+def test_every_supported_family_has_a_tiny_model():
+    assert {TINY[k][0] for k in SUPPORTED_IDS} == set(mhf.SUPPORTED)
+
+
+@pytest.mark.parametrize("name", REFUSED_TINY_IDS)
+def test_refused_tiny_model_raises_and_stays_unpatched(name):
+    model = tiny_model(name)
+    ids, mask = prompts()
+    want, _ = greedy(model, ids, mask, new=4)
+    with pytest.raises(ValueError, match=re.escape(f"{TINY[name][0]}: {FAMILIES[TINY[name][0]].refused}")):
+        mhf.patch(model)
+    assert not mhf.is_patched(model)
+    assert torch.equal(greedy(model, ids, mask, new=4)[0], want)
 
 
 def test_dsa_families_refused_in_one_place():
