@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,20 @@ def test_nothing_outside_kernels_imports_triton_at_import_time():
                 names = [node.module or ""]
             bad = [n for n in names if n.split(".")[0] == "triton" or n.startswith("mlakit.kernels")]
             assert not bad, f"{path.relative_to(root)} imports {bad} at module level"
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """The GPU compiler (front end, optimizer, ptxas) accepts what the interpreter ran; fp8, the variant
+    with the most registers. A process of its own: the interpreter's wrapped library can't compile."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold compile, and nothing left in ~/.triton
+    cmd = [sys.executable, "-m", "mlakit.kernels.compile_check", "--formats", "fp8"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    print(run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+    stage1 = next(line for line in run.stdout.splitlines() if line.startswith("stage1 fp8"))
+    assert "'spill_stores': 0" in stage1 and "'registers': None" not in stage1
