@@ -22,9 +22,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from helpers import assert_close, assert_lse_close  # noqa: E402
+from helpers import assert_close, assert_lse_close, randomize_  # noqa: E402
 
-from mlakit import MLAConfig, PagedLatentCache  # noqa: E402
+from mlakit import MLAAttention, MLAConfig, PagedLatentCache  # noqa: E402
+from mlakit.attention import _absorb_backend  # noqa: E402
 from mlakit.cache.blocks import blocks_for  # noqa: E402
 from mlakit.cache.paged import BLOCK_SENTINEL  # noqa: E402
 from mlakit.cache.quant import field_view  # noqa: E402
@@ -323,6 +324,49 @@ def test_backend_choice():
     with pytest.raises(ValueError, match="backend must be one of"):
         pick_backend("cpu", "cuda")
     assert available("cpu")  # under the interpreter
+
+
+def _planned_stack(quant, backend, counts):
+    """Two layers over one two-layer paged cache: a ragged prefill of each layer, then one planned
+    absorb step of `counts` new tokens per row; returns (outputs, plan, layers)."""
+    cfg = widths_config(256, 16, 3).replace(hidden_size=40, q_lora_rank=24)
+    layers = [randomize_(MLAAttention(cfg, layer_idx=i), seed=i).eval() for i in range(2)]
+    cache = PagedLatentCache(cfg, 24, 8, max_batch=3, num_layers=2, quant=quant)
+    prefill = [9, 1, 17]
+    plan = cache.plan(prefill, mode="absorb")
+    g = torch.Generator().manual_seed(4)
+    for i in range(2):
+        c = torch.randn(3, max(prefill), 256, generator=g)
+        cache.write(plan, i, c, torch.randn(3, max(prefill), 16, generator=g))
+    cache.commit(plan)
+    plan = cache.plan(counts, mode="absorb")
+    hidden = torch.randn(3, max(counts), 40, generator=g)
+    outs = []
+    with torch.no_grad():
+        for layer in layers:
+            layer.absorb_backend = backend
+            outs.append(layer(hidden, plan))
+    cache.commit(plan)
+    return outs, plan, layers
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("counts", [[1, 1, 1], [2, 1, 3]], ids=["decode", "ragged"])
+def test_layers_run_the_kernel_when_asked_and_record_it(quant, counts):
+    got, plan, layers = _planned_stack(quant, "triton", counts)
+    assert plan.backend == "triton" and [m.last_backend for m in layers] == ["triton", "triton"]
+    want, torch_plan, _ = _planned_stack(quant, "torch", counts)
+    assert torch_plan.backend == "torch"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_close(f"layer {i}", a, b, 2e-5)
+
+
+def test_auto_backend_stays_on_torch_off_cuda():
+    _, plan, layers = _planned_stack(None, "auto", [1, 1, 1])
+    assert plan.backend == "torch" and layers[0].last_backend == "torch"
+    layers[0].absorb_backend = "gpu"
+    with pytest.raises(ValueError, match="absorb_backend must be one of"):
+        _absorb_backend(layers[0].absorb_backend, torch.device("cpu"))
 
 
 def test_nothing_outside_kernels_imports_triton_at_import_time():
