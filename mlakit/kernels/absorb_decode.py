@@ -1,6 +1,6 @@
 """The absorbed core over a paged latent cache as two Triton kernels: split-KV attention, then an LSE merge.
 
-Stage 1: program (b, row tile, split) holds `block_m` query rows (token, head) of row b — they all
+Stage 1: program (row tile, split, b) holds `block_m` query rows (token, head) of row b — they all
 score against the same keys, an MQA — and walks its split's keys `block_n` at a time. Each key tile
 is gathered from the pages through the block table (a key's page is `table[b, t // block_size]`),
 dequantized in registers when the rows are fp8/int8, and used twice: scores `q_lat·c_kv + q_pe·k_pe`
@@ -77,9 +77,10 @@ def _stage1(
     COMPUTE_F32: tl.constexpr,  # tiles in fp32 (interpreter, fp32 caches) or in the rope dtype
     IEEE: tl.constexpr,  # fp32 dots without tf32
 ):
-    pid_b = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # row tiles vary fastest: the tiles of one (row, split) run side by side and share its keys in L2
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_b = tl.program_id(2)
     cd = tl.float32 if COMPUTE_F32 else rope_ptr.dtype.element_ty
     kv_len = tl.load(lens_ptr + pid_b).to(tl.int32)
     split_len = ((kv_len + NS - 1) // NS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -245,7 +246,7 @@ def absorb_decode(
     stage1, stage2 = _kernels()
     compute_f32 = interp or layout.rope.dtype == torch.float32
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    stage1[(batch, tiles, splits)](
+    stage1[(tiles, splits, batch)](
         q_lat.reshape(batch, rows, latent).contiguous(),
         q_pe.reshape(batch, rows, rope).contiguous(),
         lat, sc, rp, block_table, kv_lens, o_part, lse_part,
