@@ -64,7 +64,7 @@ def _stage1(
     scale_row,
     rope_page,
     rope_row,
-    NS: tl.constexpr,
+    NS,  # splits (a runtime value: a new split count does not recompile)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -172,7 +172,7 @@ def _stage2(
     o_ptr,  # [B·M, L]
     lse_ptr,  # [B·M] fp32
     L,
-    NS: tl.constexpr,
+    NS,
     BLOCK_NS: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):

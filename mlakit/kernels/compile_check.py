@@ -42,7 +42,7 @@ def compile_stage1(fmt: str, cfg: KernelConfig, arch: int = 90, latent: int = 51
     sig |= {"rope_ptr": f"*{rp}", "table_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32"}
     sig |= {"lse_ptr": "*fp32", "qk_scale": "fp32"} | {name: "i32" for name in _int_args(_stage1)}
     block_g = 4 if quant == 1 else 1
-    consts = dict(NS=4, BLOCK_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=latent)
+    consts = dict(BLOCK_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=latent)
     consts |= dict(BLOCK_R=rope, QUANT=quant, NUM_SCALES=scales, BLOCK_G=block_g)
     consts |= dict(SCALE_GROUP=latent // block_g, COMPUTE_F32=fmt == "fp32", IEEE=fmt == "fp32")
     sig |= dict.fromkeys(consts, "constexpr")
@@ -70,7 +70,8 @@ def compile_stage2(arch: int = 90, latent: int = 512, splits: int = 4):
     from mlakit.kernels.absorb_decode import _stage2
 
     sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "L": "i32"}
-    consts = {"NS": splits, "BLOCK_NS": splits, "BLOCK_L": latent}
+    sig["NS"] = "i32"
+    consts = {"BLOCK_NS": splits, "BLOCK_L": latent}
     sig |= dict.fromkeys(consts, "constexpr")
     src = ASTSource(JITFunction(_stage2), sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
