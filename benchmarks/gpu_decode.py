@@ -56,7 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layers", type=int, default=4, help="layers of the captured decode step")
     p.add_argument("--quick", action="store_true", help="B 1,128 at 8K, 16 heads, 5 repeats")
-    p.add_argument("--configs", default="", help="extra kernel tiles to time, e.g. 32x32x8x2,16x64x4x3")
+    p.add_argument(
+        "--configs",
+        default="16x16x4x2,32x32x8x2,16x32x8x2",
+        help="other kernel tiles to time (block_m x block_n x warps x stages), '' for none",
+    )
     p.add_argument(
         "--timeout", type=int, default=290, help="seconds before the run stops and writes what it has"
     )
@@ -64,9 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default="gpu_decode.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.batches, args.contexts, args.heads, args.repeats = "1,128", "8192", "16", 5
+        args.batches, args.contexts, args.heads, args.repeats, args.configs = "1,128", "8192", "16", 5, ""
     if args.device == "cpu":
         args.batches, args.contexts, args.heads, args.repeats, args.layers = "2", "192", "16", 2, 2
+        args.configs = "16x32x4x2"
     return args
 
 
@@ -198,8 +203,9 @@ def check_and_time(pool, fmt, batch, context, heads, timer, extra_configs, basel
     scale = cfg.softmax_scale
     args = (x["q_nope"], x["q_pe"])
     weights = (x["w_uk"], x["w_uv"])
+    cpu_lens = lens.long().cpu()  # the torch path reads lengths on the host: copied once, not per call
     out, lse = absorb_paged(*args, pool.pages, table, lens, *weights, scale, layout=pool.layout)
-    want, want_lse = absorb_chunked(*args, pool.reader(table, context), lens.long().cpu(), *weights, scale)
+    want, want_lse = absorb_chunked(*args, pool.reader(table, context), cpu_lens, *weights, scale)
     err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
     lse_err = (lse - want_lse.to(lse.device)).abs().max().item()
     q_lat = fold_queries(x["q_nope"], x["w_uk"])
@@ -209,9 +215,7 @@ def check_and_time(pool, fmt, batch, context, heads, timer, extra_configs, basel
         "triton full": lambda: absorb_paged(
             *args, pool.pages, table, lens, *weights, scale, layout=pool.layout
         ),
-        "torch full": lambda: absorb_chunked(
-            *args, pool.reader(table, context), lens.long().cpu(), *weights, scale
-        ),
+        "torch full": lambda: absorb_chunked(*args, pool.reader(table, context), cpu_lens, *weights, scale),
     }
     for text in extra_configs:
         kc = KernelConfig(*(int(v) for v in text.split("x")))

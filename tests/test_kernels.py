@@ -244,6 +244,8 @@ def test_absorb_paged_takes_the_cache_itself():
                              w_uk.double(), w_uv.double(), 0.2)  # fmt: skip
     assert_close("out", out, ref, 2e-5)
     assert_lse_close("lse", lse, ref_lse)
+    with pytest.raises(ValueError, match="layer 1 out of range"):
+        absorb_paged(q_nope, q_pe, pool.cache, table, pool.lens, w_uk, w_uv, 0.2, layer=1)
 
 
 def test_out_dtype_and_single_split_view():

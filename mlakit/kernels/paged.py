@@ -29,17 +29,18 @@ def absorb_paged(
     scale: float,
     *,
     layout: TokenLayout | None = None,
+    layer: int = 0,
     num_splits: int | None = None,
     config: KernelConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`absorb` (see `mlakit.ops`) over paged rows: (out [B,S,H,dv] in q_nope's dtype, lse [B,S,H] fp32).
 
-    `cache_or_pages`: a `PagedLatentCache` (its pages and layout) or one layer's uint8 pages with
-    `layout`. `block_table` [B, NB] and `kv_lens` [B] as `absorb_decode` takes them; on another device
-    than the pages they are copied there (pass device tensors inside a captured graph).
+    `cache_or_pages`: a `PagedLatentCache` (the pages of its layer `layer`, its layout) or one layer's
+    uint8 pages with `layout`. `block_table` [B, NB] and `kv_lens` [B] as `absorb_decode` takes them;
+    on another device than the pages they are copied there (pass device tensors inside a captured graph).
     """
-    pages, layout = _pages(cache_or_pages, layout)
+    pages, layout = _pages(cache_or_pages, layout, layer)
     device = pages.device
     q_lat = fold_queries(q_nope.to(w_uk.dtype), w_uk)  # [B, S, H, L]
     o_lat, lse = absorb_decode(
@@ -71,11 +72,14 @@ def pick_backend(device: torch.device | str, backend: str = "auto") -> str:
     return "triton" if triton is not None and torch.device(device).type == "cuda" else "torch"
 
 
-def _pages(cache_or_pages, layout: TokenLayout | None) -> tuple[torch.Tensor, TokenLayout]:
+def _pages(cache_or_pages, layout: TokenLayout | None, layer: int) -> tuple[torch.Tensor, TokenLayout]:
     if isinstance(cache_or_pages, PagedLatentCache):
         if layout is not None and layout != cache_or_pages.layout:
             raise ValueError(f"layout {layout} differs from the cache's {cache_or_pages.layout}")
-        return cache_or_pages.pages, cache_or_pages.layout
+        layers = cache_or_pages.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{layers - 1}")
+        return cache_or_pages.layer_pages(layer), cache_or_pages.layout
     if not isinstance(cache_or_pages, torch.Tensor) or layout is None:
         raise ValueError(
             "cache_or_pages must be a PagedLatentCache, or a pages tensor given with layout=, "
