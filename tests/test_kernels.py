@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from helpers import assert_close, assert_lse_close, randomize_  # noqa: E402
 
+import mlakit.kernels.paged as kernels_paged  # noqa: E402
 from mlakit import MLAAttention, MLAConfig, PagedLatentCache  # noqa: E402
 from mlakit.attention import _absorb_backend  # noqa: E402
 from mlakit.cache.blocks import blocks_for  # noqa: E402
@@ -318,11 +319,21 @@ def test_configs_and_splits_are_static():
     assert choose_splits(4, 1, 64, 1) == 1
 
 
+@pytest.mark.parametrize(
+    "capability, quant, want",
+    [((9, 0), None, "triton"), ((9, 0), "fp8", "triton"), ((8, 0), "fp8", "torch"),
+     ((8, 0), "int8", "triton"), ((7, 5), None, "torch")],
+    ids=["sm90", "sm90-fp8", "sm80-fp8", "sm80-int8", "sm75"],
+)  # fmt: skip
+def test_auto_backend_on_cuda_follows_the_capability(monkeypatch, capability, quant, want):
+    monkeypatch.setattr(kernels_paged, "_capability", lambda device: capability)
+    assert pick_backend("cuda", "auto", quant) == want
+
+
 def test_backend_choice():
     assert pick_backend("cpu") == "torch"
     assert pick_backend("cpu", "triton") == "triton"
     assert pick_backend("cuda", "torch") == "torch"
-    assert pick_backend("cuda") == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
         pick_backend("cpu", "cuda")
     assert available("cpu")  # under the interpreter

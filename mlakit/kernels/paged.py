@@ -7,6 +7,8 @@ through the block table, unfold W_UV (one bmm). `pick_backend` is the switch an 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mlakit.cache.paged import PagedLatentCache
@@ -59,17 +61,27 @@ def absorb_paged(
     return out.to(q_nope.dtype), lse
 
 
-def pick_backend(device: torch.device | str, backend: str = "auto") -> str:
-    """ "triton" or "torch" for the absorb path over pages on `device`. "auto": the kernel on CUDA when
-    Triton is installed (the interpreter is for tests, never chosen by "auto"); "torch" forces the
-    reference path; "triton" asks for the kernel (it raises later if it cannot run)."""
+def pick_backend(device: torch.device | str, backend: str = "auto", quant: str | None = None) -> str:
+    """ "triton" or "torch" for the absorb path over pages on `device`. "auto": the kernel on a CUDA
+    device of compute capability 8.0 or more (8.9 for fp8 rows: e4m3 conversions) when Triton is
+    installed — the interpreter is for tests, never chosen by "auto"; "torch" forces the reference
+    path; "triton" asks for the kernel (it raises later if it cannot run)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
     from mlakit.kernels.absorb_decode import triton
 
-    return "triton" if triton is not None and torch.device(device).type == "cuda" else "torch"
+    device = torch.device(device)
+    if triton is None or device.type != "cuda":
+        return "torch"
+    need = (8, 9) if quant == "fp8" else (8, 0)
+    return "triton" if _capability(device) >= need else "torch"
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _pages(cache_or_pages, layout: TokenLayout | None, layer: int) -> tuple[torch.Tensor, TokenLayout]:
