@@ -112,28 +112,19 @@ def _stage1(
         ok = t_ok & (page >= 0) & (page < num_blocks)
         page = tl.where(ok, page, 0).to(tl.int64)
         off = (t % BLOCK_SIZE).to(tl.int64)
-        lat_mask = ok[:, None] & col_ok[None, :]
-        k = tl.load(
-            lat_ptr + (page * lat_page + off * lat_row)[:, None] + cols[None, :], mask=lat_mask, other=0.0
-        )
-        if QUANT == 1:
-            # fp8: NUM_SCALES fp32 scales per token, one per SCALE_GROUP values, broadcast over their group
-            g = tl.arange(0, BLOCK_G)
-            sc = tl.load(
-                scale_ptr + (page * scale_page + off * scale_row)[:, None] + g[None, :],
-                mask=ok[:, None] & (g < NUM_SCALES)[None, :],
-                other=0.0,
-            )  # [BN, BG]
-            sc = tl.reshape(
-                tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_G, SCALE_GROUP)), (BLOCK_N, BLOCK_L)
-            )
-            k = (k.to(tl.float32) * sc).to(cd)
-        elif QUANT == 2:
-            # int8: one fp32 scale per token
-            sc = tl.load(scale_ptr + page * scale_page + off * scale_row, mask=ok, other=0.0)
-            k = (k.to(tl.float32) * sc[:, None]).to(cd)
-        else:
-            k = k.to(cd)
+        k = _latent_tile(
+            lat_ptr + (page * lat_page + off * lat_row)[:, None] + cols[None, :],
+            scale_ptr + page * scale_page + off * scale_row,
+            ok,
+            col_ok,
+            cd,
+            BLOCK_N,
+            BLOCK_L,
+            QUANT,
+            NUM_SCALES,
+            SCALE_GROUP,
+            BLOCK_G,
+        )  # [BN, BL]
         kr = tl.load(
             rope_ptr + (page * rope_page + off * rope_row)[:, None] + rcols[None, :],
             mask=ok[:, None] & rcol_ok[None, :],
@@ -164,6 +155,41 @@ def _stage1(
     part = (pid_b * M + rows).to(tl.int64) * NS + pid_s  # [BM]
     tl.store(o_ptr + part[:, None] * L + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
     tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+def _latent_tile(
+    lat_ptrs,  # [BN, BL] pointers to the latents of BLOCK_N keys
+    scale_ptrs,  # [BN] pointers to each key's first scale
+    ok,  # [BN] keys to load (the rest read as zeros)
+    col_ok,  # [BL]
+    cd: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    QUANT: tl.constexpr,
+    NUM_SCALES: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """The latent tile of BLOCK_N keys in the compute dtype `cd`, dequantized in registers."""
+    k = tl.load(lat_ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0)
+    if QUANT == 1:
+        # fp8: NUM_SCALES fp32 scales per key, one per SCALE_GROUP values, broadcast over their group
+        g = tl.arange(0, BLOCK_G)
+        sc = tl.load(
+            scale_ptrs[:, None] + g[None, :], mask=ok[:, None] & (g < NUM_SCALES)[None, :], other=0.0
+        )
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_G, SCALE_GROUP)), (BLOCK_N, BLOCK_L))
+        k = (k.to(tl.float32) * sc).to(cd)
+    elif QUANT == 2:
+        # int8: one fp32 scale per key
+        k = (k.to(tl.float32) * tl.load(scale_ptrs, mask=ok, other=0.0)[:, None]).to(cd)
+    else:
+        k = k.to(cd)
+    return k
+
+
+if triton is not None:
+    _latent_tile = triton.jit(_latent_tile)
 
 
 def _stage2(
