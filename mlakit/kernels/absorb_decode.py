@@ -252,27 +252,23 @@ def absorb_decode(
     """
     if triton is None:
         raise RuntimeError("mlakit.kernels needs Triton: pip install 'mlakit[triton]'")
-    u8 = check_inputs(q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype)
+    u8 = check_inputs(q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype, num_splits)
     interp = _interpret(pages.device, interpret)
     batch, new, heads, latent = q_lat.shape
     rope, rows, block_size = q_pe.shape[-1], new * heads, u8.shape[1]
     fmt = latent_format(layout.quant, layout.rope.dtype)
     cfg = pick_config(rows, heads, fmt, interpret=interp, override=config)
     tiles = -(-rows // cfg.block_m)
+    splits = num_splits
     if num_splits is None:
         splits = choose_splits(batch, tiles, block_table.shape[1] * block_size, sm_count(pages.device))
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
-    else:
-        splits = num_splits
     lat, sc, rp = (_field(u8, f) for f in (layout.latent, layout.scale or layout.latent, layout.rope))
     f32 = {"dtype": torch.float32, "device": pages.device}
     o_part = torch.empty(batch, rows, splits, latent, **f32)
     lse_part = torch.empty(batch, rows, splits, **f32)
-    stage1, stage2 = _kernels()
     compute_f32 = interp or layout.rope.dtype == torch.float32
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    stage1[(tiles, splits, batch)](
+    _kernels()[0][(tiles, splits, batch)](
         q_lat.reshape(batch, rows, latent).contiguous(),
         q_pe.reshape(batch, rows, rope).contiguous(),
         lat, sc, rp, block_table, kv_lens, o_part, lse_part,
@@ -290,16 +286,23 @@ def absorb_decode(
         IEEE=compute_f32,
         **launch,
     )  # fmt: skip
+    o_lat, lse = _merge(o_part, lse_part, out_dtype, interp)
+    return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
+
+
+def _merge(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype, interp: bool):
+    """Stage 2: (o [B·M, L], lse [B·M]) from the splits [B, M, NS, L]; one split in fp32 is the answer."""
+    batch, rows, splits, latent = o_part.shape
     if splits == 1 and out_dtype == torch.float32:
-        return o_part.view(batch, new, heads, latent), lse_part.view(batch, new, heads)
-    o_lat = torch.empty(batch * rows, latent, dtype=out_dtype, device=pages.device)
-    lse = torch.empty(batch * rows, **f32)
-    stage2[(batch * rows,)](
+        return o_part.view(batch * rows, latent), lse_part.view(batch * rows)
+    o_lat = torch.empty(batch * rows, latent, dtype=out_dtype, device=o_part.device)
+    lse = torch.empty(batch * rows, dtype=torch.float32, device=o_part.device)
+    _kernels()[1][(batch * rows,)](
         o_part, lse_part, o_lat, lse, latent,
         NS=splits, BLOCK_NS=next_pow2(splits), BLOCK_L=next_pow2(latent),
         **({} if interp else {"num_warps": 4}),
     )  # fmt: skip
-    return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
+    return o_lat, lse
 
 
 @functools.cache

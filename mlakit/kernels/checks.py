@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def check_inputs(q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype) -> torch.Tensor:
+def check_inputs(
+    q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype, num_splits=None
+) -> torch.Tensor:
     """Shapes, dtypes and devices (no device read); returns the pool as uint8 [blocks, block_size, row]."""
     if q_lat.dim() != 4 or q_pe.dim() != 4 or q_lat.shape[:3] != q_pe.shape[:3]:
         raise ValueError(
@@ -24,6 +26,10 @@ def check_inputs(q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype) ->
         raise ValueError(
             f"pages must be [num_blocks, block_size, row] with unit last stride, got {tuple(pages.shape)}"
         )
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+    ):
+        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
     u8 = pages if pages.dtype == torch.uint8 else pages.view(torch.uint8)
     if u8.shape[-1] != layout.row_bytes:
         raise ValueError(f"pages hold rows of {u8.shape[-1]} bytes, the layout has {layout.row_bytes}")
