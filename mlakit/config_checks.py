@@ -108,13 +108,16 @@ def rope_scaling(value: Any, rope_theta: float) -> dict[str, Any] | None:
     if "original_max_position_embeddings" not in s:
         raise ValueError("rope_scaling['original_max_position_embeddings'] is required for yarn, got none")
     out: dict[str, Any] = {"rope_type": "yarn"}
-    out["factor"] = number(key("factor"), s["factor"], above=0)
+    out["factor"] = number(key("factor"), s["factor"], at_least=1)
     out["original_max_position_embeddings"] = positive_int(
         key("original_max_position_embeddings"), s["original_max_position_embeddings"]
     )
-    for k in ("beta_fast", "beta_slow", "attention_factor"):
+    for k in ("beta_fast", "beta_slow"):
         if k in s:
             out[k] = number(key(k), s[k], above=0)
+    if "attention_factor" in s:
+        out["attention_factor"] = number(key("attention_factor"), s["attention_factor"], above=0)
+        at_most(key("attention_factor"), out["attention_factor"], MAX_CORRECTION)
     for k in ("mscale", "mscale_all_dim"):
         if k in s:
             out[k] = number(key(k), s[k], at_least=0)
@@ -122,6 +125,16 @@ def rope_scaling(value: Any, rope_theta: float) -> dict[str, Any] | None:
         out["truncate"] = boolean(key("truncate"), s["truncate"])
     _yarn_consistent(out, rope_theta)
     return out
+
+
+def at_most(name: str, value: float, limit: float) -> float:
+    if value > limit:
+        raise ValueError(f"{name} must be <= {limit:g}, got {value!r}")
+    return value
+
+
+# yarn's corrections multiply cos/sin and the softmax scale: past this, 16-bit scores overflow
+MAX_CORRECTION = 1e3
 
 
 def _yarn_consistent(s: dict[str, Any], rope_theta: float) -> None:
@@ -135,8 +148,17 @@ def _yarn_consistent(s: dict[str, Any], rope_theta: float) -> None:
         raise ValueError(
             f"rope_scaling['beta_fast'] must be >= rope_scaling['beta_slow'], got {fast!r} < {slow!r}"
         )
+    original = s["original_max_position_embeddings"]
+    if not original / (fast * 2 * math.pi) > 0:
+        raise ValueError(
+            f"rope_scaling['beta_fast'] = {fast!r} is too large for original_max_position_embeddings "
+            f"{original} (the ramp takes log(original / (2 pi beta_fast)))"
+        )
     for k in ("mscale", "mscale_all_dim"):
-        # the magnitude correction 0.1·m·ln(factor) + 1 scales cos/sin and the softmax: it must stay finite
-        m = 0.1 * s.get(k, 0.0) * math.log(max(s["factor"], 1.0)) + 1.0
-        if not math.isfinite(m * m):
-            raise ValueError(f"rope_scaling[{k!r}] = {s[k]!r} makes the yarn magnitude correction overflow")
+        # the magnitude correction 0.1·m·ln(factor) + 1 scales cos/sin and the softmax
+        m = 0.1 * s.get(k, 0.0) * math.log(s["factor"]) + 1.0
+        if not m <= MAX_CORRECTION:
+            raise ValueError(
+                f"rope_scaling[{k!r}] = {s[k]!r} with factor {s['factor']!r} makes the yarn magnitude "
+                f"correction {m:.3g}; expected <= {MAX_CORRECTION:g}"
+            )

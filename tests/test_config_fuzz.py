@@ -90,6 +90,10 @@ CTOR = [
     ("mscale-all-dim-str", {"rope_scaling": yarn(mscale_all_dim="1")}, "mscale_all_dim"),
     ("mscale-negative", {"rope_scaling": yarn(mscale=-1.0)}, "mscale"),
     ("mscale-overflow", {"rope_scaling": yarn(mscale_all_dim=1e307)}, "mscale_all_dim"),
+    ("mscale-huge", {"rope_scaling": yarn(mscale_all_dim=2.0**70)}, "mscale_all_dim"),
+    ("attention-factor-huge", {"rope_scaling": yarn(attention_factor=2.0**70)}, "attention_factor"),
+    ("beta-fast-huge", {"rope_scaling": yarn(beta_fast=1e308)}, "beta_fast"),
+    ("factor-below-one", {"rope_scaling": yarn(factor=1e-300)}, "factor"),
     ("attention-factor-zero", {"rope_scaling": yarn(attention_factor=0.0)}, "attention_factor"),
     ("truncate-str", {"rope_scaling": yarn(truncate="no")}, "truncate"),
 ]

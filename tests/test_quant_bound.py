@@ -28,6 +28,7 @@ RHO = 2.0**-4 * math.sqrt(3 / (8 * math.log(2)) / 3)
 LOW, HIGH, HIGH_MAX = 0.1, 3.0, 4.0
 
 
+@torch.no_grad()
 def exact_parts(layer: MLAAttention, prompt: torch.Tensor, step: torch.Tensor) -> dict[str, torch.Tensor]:
     """fp64 latents c [B,T,L], folded queries q [B,H,L], weights p [B,H,T], o [B,H,L] of one decode."""
     cfg = layer.cfg
@@ -47,6 +48,7 @@ def exact_parts(layer: MLAAttention, prompt: torch.Tensor, step: torch.Tensor) -
     return {"c": c, "q": q, "p": p, "o": torch.einsum("bht,btl->bhl", p, c), "a": a}
 
 
+@torch.no_grad()
 def predicted_error(layer: MLAAttention, prompt: torch.Tensor, step: torch.Tensor) -> float:
     """First-order RMS of ||δout|| / ||out|| when every cached latent value gets an independent
     relative rounding error of RMS `RHO`: Σ_k,i RHO² c_ki² ||J_k[:, i]||², J_k = ∂out/∂c_k, where

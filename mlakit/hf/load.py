@@ -78,9 +78,13 @@ def _check_arguments(path, dtype, device) -> str:
         )
     if device is not None:
         try:
-            torch.empty(0, device=device)
-        except (RuntimeError, TypeError) as e:
+            where = torch.empty(0, device=device).device
+        except (RuntimeError, TypeError, AssertionError) as e:
             raise ValueError(f"device {device!r} is not a usable torch device ({e})") from e
+        if where.type == "meta":
+            raise ValueError(
+                "device 'meta' holds no data: load to a real device (or build MLAAttention on meta)"
+            )
     return folder
 
 
