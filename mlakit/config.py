@@ -94,7 +94,12 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, source: Any) -> MLAConfig:
-        """From a transformers config object, a dict, a config.json path or a model folder."""
+        """From a transformers config object, a dict, a config.json path or a model folder.
+
+        Every field is checked as the constructor checks it (ValueError naming the key): booleans must
+        be JSON true/false (the strings "true"/"false" and 0/1 are refused, never coerced), widths
+        integers, and a config.json that is not a JSON object is refused with the file named.
+        """
         from mlakit.hf.config import config_dict_to_kwargs, load_config_dict
 
         d = load_config_dict(source)

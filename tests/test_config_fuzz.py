@@ -226,6 +226,18 @@ def mutated_config(draw):
     return d
 
 
+@st.composite
+def mutated_kwargs(draw):
+    d = MLAConfig.from_hf(HF).to_dict()
+    fields = sorted(d)
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()) or not isinstance(d.get("rope_scaling"), dict):
+            d[draw(st.sampled_from(fields))] = draw(GARBAGE)
+        else:
+            d["rope_scaling"][draw(st.sampled_from(YARN_SUBKEYS))] = draw(GARBAGE)
+    return d
+
+
 def small_enough(cfg: MLAConfig) -> bool:
     widths = (cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank or 1, cfg.kv_lora_rank, cfg.qk_head_dim)
     return max(widths) <= 80 and cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) <= 2000
@@ -248,8 +260,26 @@ def test_mutated_configs_give_a_value_error_or_a_working_config(d):
         cfg = MLAConfig.from_hf(d)
     except ValueError:
         return
+    check_working(cfg)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_kwargs())
+def test_mutated_constructor_arguments_give_a_value_error_or_a_working_config(kwargs):
+    try:
+        cfg = MLAConfig(**kwargs)
+    except ValueError:
+        return
+    check_working(cfg)
+
+
+def check_working(cfg: MLAConfig) -> None:
+    """Plain types stored, a finite scale, and a layer that builds and (when small) runs."""
     assert isinstance(cfg.rope_interleave, bool) and isinstance(cfg.attention_bias, bool)
-    assert math.isfinite(cfg.softmax_scale) and cfg.softmax_scale > 0
+    assert all(
+        type(getattr(cfg, f)) is int for f in ("hidden_size", "num_heads", "kv_lora_rank", "num_layers")
+    )
+    assert isinstance(cfg.rope_theta, float) and math.isfinite(cfg.softmax_scale) and cfg.softmax_scale > 0
     if small_enough(cfg):
         runs_one_forward(cfg)
     else:
