@@ -67,6 +67,8 @@ class StepPlan:
     starts: torch.Tensor = field(repr=False)  # [B] CPU long: lengths before the step
     counts: torch.Tensor = field(repr=False)  # [B] CPU long: new tokens of each row
     state: str = "open"  # "open" until committed or superseded by a newer plan
+    # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
+    backend: str | None = None
 
     @property
     def ragged(self) -> bool:
