@@ -545,3 +545,20 @@ def test_bf16_within_transformers_own_eager_vs_sdpa_noise(name):
         patched = (model(ids, attention_mask=mask).logits[real].float() - want).abs().max().item()
     print(f"{name} bf16 error vs fp32: {errors}, patched {patched:.3g}")
     assert patched <= 2 * max(errors.values())
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "longcat-flash", "kimi-linear"])
+def test_load_attention_reads_each_mla_layer(name, tmp_path):
+    """load_attention's layer index is the model's MLA layer: LongCat's two per decoder layer, a
+    hybrid's decoder layer (its linear-attention layers refused by name)."""
+    model = tiny_model(name)
+    model.save_pretrained(tmp_path)
+    attns = [m for m in model.modules() if type(m).__name__ == TINY[name][0]]
+    indices = [m.layer_idx for m in attns]
+    for index, attn in zip(indices, attns, strict=True):
+        layer = mhf.load_attention(tmp_path, index)
+        for key, want in attn.state_dict().items():
+            assert torch.equal(layer.state_dict()[key], want), f"{name} layer {index}: {key}"
+    if name == "kimi-linear":
+        with pytest.raises(ValueError, match="layer 0 is a linear-attention layer"):
+            mhf.load_attention(tmp_path, 0)
