@@ -240,3 +240,18 @@ def test_check_finite_refuses_nan_at_real_positions_only():
     plan = cache.plan(1, batch=2)
     with pytest.raises(ValueError, match="NaN or inf"):
         layer(torch.full((2, 1, CFG.hidden_size), float("inf")), plan, check_finite=True)
+
+
+def test_paged_plan_block_table_is_fixed_within_a_bucket_and_locates_every_row():
+    cache = make_cache("paged")
+    widths = []
+    for _ in range(6):
+        plan = cache.plan(3, batch=2)
+        widths.append(tuple(plan.block_table.shape))
+        size = cache.block_size
+        for b in range(2):
+            t = torch.arange(int(plan.kv_lens[b]))
+            rows = plan.block_table[b, t // size].long() * size + t % size
+            assert torch.equal(rows[-3:], plan.write_rows[b])
+        cache.commit(plan)
+    assert widths == [(2, 4)] * 5 + [(2, 8)]  # 16 keys (4 pages of 4) until the context passes 16
