@@ -16,15 +16,11 @@ from torch import nn
 from mlakit.attention import MLAAttention, project_unrotated
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
+from mlakit.hf.families import FAMILIES, supported
 from mlakit.ops import absorb, materialize
 
-# attention class name → (its modeling module, rope convention)
-SUPPORTED_ATTENTION = {
-    "DeepseekV2Attention": ("transformers.models.deepseek_v2.modeling_deepseek_v2", "complex"),
-    "DeepseekV3Attention": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "cos_sin"),
-    "Glm4MoeLiteAttention": ("transformers.models.glm4_moe_lite.modeling_glm4_moe_lite", "cos_sin"),
-    "MiniCPM3Attention": ("transformers.models.minicpm3.modeling_minicpm3", "half"),
-}
+# attention class name → (its modeling module, rope convention), for the families mlakit patches
+SUPPORTED_ATTENTION = {name: (FAMILIES[name].modeling_module, FAMILIES[name].rope) for name in supported()}
 SUBMODULES = (
     "q_proj",
     "q_a_proj",
@@ -34,6 +30,7 @@ SUBMODULES = (
     "kv_a_layernorm",
     "kv_b_proj",
     "o_proj",
+    "g_proj",
 )
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -51,6 +48,7 @@ class PatchedMLAAttention(nn.Module):
         super().__init__()
         check_mode(mode)
         module_path, self.rope_kind = SUPPORTED_ATTENTION[type(original).__name__]
+        self.family = FAMILIES[type(original).__name__]
         self.rope_module = sys.modules[module_path]
         for name in SUBMODULES:
             sub = getattr(original, name, None)
@@ -93,33 +91,68 @@ class PatchedMLAAttention(nn.Module):
         batch, new, _ = hidden_states.shape
         past, total = cached_tokens(cache, self.layer_idx, new)
         key_mask = key_padding(attention_mask, batch, new, past + new, total)
-        q_nope, q_rot, c_kv, k_rot = self._project(hidden_states, position_embeddings)
+        q_nope, q_rot, c_kv, k_rot = self._project(hidden_states, position_embeddings, kwargs)
         if cache is not None:
             c_kv, k_rot = cache.update(c_kv, k_rot, self.layer_idx, kwargs=kwargs)
         run = choose(self.cfg, new, past) if self.mode == "auto" else self.mode
         kv_lens = torch.full((batch,), past + new, dtype=torch.long)
         out = self._attend(run, q_nope, q_rot, c_kv[:, 0], k_rot[:, 0], kv_lens, key_mask)
         self.last_mode = run
-        return self.o_proj(out.reshape(batch, new, -1)), None
+        return self.o_proj(self._gate(hidden_states, out).reshape(batch, new, -1)), None
 
-    def _project(self, hidden_states, position_embeddings):
+    def _project(self, hidden_states, position_embeddings, kwargs):
         """q_nope [B,S,H,dn], q_rot [B,S,H,dr] (rotated), c_kv [B,1,S,L], k_rot [B,1,S,dr] (rotated)."""
         cfg = self.cfg
         batch, new, _ = hidden_states.shape
         q_nope, q_rot, c_kv, k_rot = project_unrotated(self, cfg, hidden_states)
+        q_nope, q_rot, c_kv = self._family_scales(q_nope, q_rot, c_kv)
         # the cache layout transformers uses: single-head 4D latents
         c_kv = c_kv.view(batch, 1, new, cfg.kv_lora_rank)
         k_rot = k_rot.view(batch, 1, new, cfg.qk_rope_head_dim)
         q_rot, k_rot = self._rotate(q_rot.transpose(1, 2), k_rot, position_embeddings)
-        return q_nope, q_rot.transpose(1, 2), c_kv, k_rot
+        q_rot = q_rot.transpose(1, 2)
+        if self.family.query_position_scale:
+            q_nope, q_rot = self._position_scale(q_nope, q_rot, kwargs.get("position_ids"))
+        return q_nope, q_rot, c_kv, k_rot
+
+    def _family_scales(self, q_nope, q_rot, c_kv):
+        """LongCat-Flash's LoRA scales: q × s_q before rope, the normalized latent × s_kv (as cached)."""
+        f, original = self.family, self.original
+        if f.q_scale is not None:
+            s = getattr(original, f.q_scale)
+            q_nope, q_rot = q_nope * s, q_rot * s
+        if f.kv_scale is not None:
+            c_kv = c_kv * getattr(original, f.kv_scale)
+        return q_nope, q_rot, c_kv
+
+    def _position_scale(self, q_nope, q_rot, position_ids):
+        """Mistral 4's Llama-4 query scale per position, with the model's own function."""
+        if position_ids is None:
+            name = type(self.original).__name__
+            raise ValueError(f"{name} needs position_ids for its query scale; got position_ids=None")
+        params = self.config.rope_parameters
+        scale = self.rope_module.get_llama_4_attn_scale(
+            position_ids, params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+        )  # [B, 1, S, 1]
+        scale = scale.transpose(1, 2).to(q_nope.dtype)  # [B, S, 1, 1]
+        return q_nope * scale, q_rot * scale
+
+    def _gate(self, hidden_states, out):
+        """Bailing's per-head output gate: out [B,S,H,dv] × sigmoid(g_proj(hidden)) [B,S,H,1]."""
+        if self.family.head_gate is None:
+            return out
+        gate = getattr(self, self.family.head_gate)(hidden_states)
+        return out * torch.sigmoid(gate.float()).to(hidden_states.dtype).unsqueeze(-1)
 
     def _rotate(self, q_rot, k_rot, position_embeddings):
         """The model's own rope on q [B,H,S,dr] and k [B,1,S,dr]."""
         m = self.rope_module
+        if self.rope_kind == "none":
+            return q_rot, k_rot
         if self.rope_kind == "complex":
             return m.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
         cos, sin = position_embeddings
-        if self.rope_kind == "cos_sin" and self.config.rope_interleave:
+        if self.rope_kind == "interleave" or (self.rope_kind == "config" and self.config.rope_interleave):
             return m.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
         return m.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
 
@@ -162,7 +195,7 @@ class PatchedMLAAttention(nn.Module):
                 f"attention_dropout={self.config.attention_dropout} in training mode is not supported "
                 "by mlakit.hf; call model.eval() or unpatch"
             )
-        if position_embeddings is None:
+        if position_embeddings is None and self.rope_kind != "none":
             raise ValueError("position_embeddings is None; the decoder layer must pass the model's rope")
 
     def extra_repr(self) -> str:
