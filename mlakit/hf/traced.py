@@ -87,7 +87,7 @@ def absorb_masked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torc
     mask [b,1,S,T] → out [B,S,H,dv]."""
     batch, new, heads, _ = q_nope.shape
     keys = c_kv.shape[1]
-    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    cd = _compute_dtype(c_kv.dtype, c_kv.device)
     c, kp = c_kv.to(cd), k_pe.to(cd)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_l = q_lat.reshape(batch, new * heads, -1) * scale
@@ -104,7 +104,7 @@ def materialize_masked(
 ) -> torch.Tensor:
     """Materialize over all T keys (K/V expanded at once, as transformers' own attention holds them);
     same shapes as `absorb_masked`."""
-    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    cd = _compute_dtype(c_kv.dtype, c_kv.device)
     k, v = expand(c_kv.to(cd), k_pe.to(cd), w_uk.to(cd), w_uv.to(cd))  # [B,H,T,dn+dr], [B,H,T,dv]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [B, H, S, T]
