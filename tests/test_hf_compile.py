@@ -19,6 +19,7 @@ from mlakit.dispatch import choose  # noqa: E402
 from mlakit.hf.traced import traced_mode  # noqa: E402
 
 FAMILIES = ["deepseek-v3", "minicpm3"]
+ALL_FAMILIES = ["deepseek-v3", "deepseek-v2-lite", "glm4-moe-lite", "minicpm3"]
 MAX_CACHE = 24
 DECODE_STEPS = 3
 
@@ -109,8 +110,9 @@ def test_compiled_dynamic_cache_prefill_and_decode():
 
 
 @pytest.mark.slow
-def test_decode_has_no_graph_break():
-    _, patched = pair("deepseek-v3")
+@pytest.mark.parametrize("name", ALL_FAMILIES)
+def test_decode_has_no_graph_break(name):
+    _, patched = pair(name)
     ids, mask = prompts()
     cache = StaticCache(patched.config, max_cache_len=MAX_CACHE)
     token = prefill(patched, ids, mask, cache)
