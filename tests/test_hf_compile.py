@@ -161,3 +161,14 @@ def test_generate_static_cache_compiled(name):
     got = patched.generate(ids, cache_implementation="static", compile_config=config, **common)
     assert hasattr(patched, "_compiled_call"), "generate did not compile the forward"
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_bf16_forward_has_no_graph_break():
+    """bf16 weights make the layer ask whether this CPU has native bf16 GEMMs: asked once, not traced."""
+    _, patched = pair("deepseek-v3")
+    patched.to(torch.bfloat16)
+    ids, mask = prompts()
+    with torch.no_grad():
+        report = torch._dynamo.explain(patched.forward)(ids, attention_mask=mask, use_cache=False)
+    assert report.graph_break_count == 0, [str(r.reason)[:200] for r in report.break_reasons]

@@ -22,7 +22,6 @@ from mlakit.hf.traced import (
     is_traced,
     materialize_masked,
     traced_mode,
-    traced_up_weights,
 )
 from mlakit.ops import absorb, materialize
 
@@ -81,9 +80,6 @@ class PatchedMLAAttention(nn.Module):
         self.mode = mode
         self.last_mode: str | None = None
         self.train(original.training)
-        self.register_buffer("w_uk", None, persistent=False)
-        self.register_buffer("w_uv", None, persistent=False)
-        self._derived_key: tuple | None = None
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
 
@@ -130,7 +126,7 @@ class PatchedMLAAttention(nn.Module):
             mask = causal_mask(batch, new, total, written, q_nope.device)
         run = traced_mode(self.cfg, new, context) if self.mode == "auto" else self.mode
         attend = absorb_masked if run == "absorb" else materialize_masked
-        w_uk, w_uv = traced_up_weights(self)
+        w_uk, w_uv = self.up_weights()
         return run, attend(q_nope, q_rot, c_kv, k_rot, w_uk, w_uv, self.scaling, mask)
 
     def _project(self, hidden_states, position_embeddings):
@@ -173,7 +169,7 @@ class PatchedMLAAttention(nn.Module):
             )
         return out  # [B, S, H, dv]
 
-    # the same derived, compute-dtype copies of W_UK and W_UV as mlakit's own layer keeps
+    # W_UK and W_UV as mlakit's own layer derives them: views (or compute-dtype copies), never stale
     up_weights = MLAAttention.up_weights
 
     def _check_call(self, position_embeddings, kwargs) -> None:

@@ -51,21 +51,6 @@ def traced_mode(cfg: MLAConfig, new, cached: int | None) -> str:
     return "absorb" if new < _crossover(widths, cached) else "materialize"
 
 
-@torch.compiler.assume_constant_result
-def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    return compute_dtype(dtype, device)
-
-
-def traced_up_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_uk [H,dn,L], w_uv [H,dv,L]) as views of kv_b_proj (converted inside the graph when the
-    compute dtype differs): nothing cached, so nothing can go stale between traced calls."""
-    cfg = layer.cfg
-    w = layer.kv_b_proj.weight
-    per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-    cd = _compute_dtype(w.dtype, w.device)
-    return per_head[:, : cfg.qk_nope_head_dim].to(cd), per_head[:, cfg.qk_nope_head_dim :].to(cd)
-
-
 def causal_mask(batch: int, new: int, keys: int, kv_len, device) -> torch.Tensor:
     """Bool [B,1,S,T], True where query i (position kv_len - new + i) may see key j; `kv_len` an int or
     a 0-dim tensor (a StaticCache's count after this step's write)."""
@@ -87,7 +72,7 @@ def absorb_masked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torc
     mask [b,1,S,T] → out [B,S,H,dv]."""
     batch, new, heads, _ = q_nope.shape
     keys = c_kv.shape[1]
-    cd = _compute_dtype(c_kv.dtype, c_kv.device)
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
     c, kp = c_kv.to(cd), k_pe.to(cd)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_l = q_lat.reshape(batch, new * heads, -1) * scale
@@ -104,7 +89,7 @@ def materialize_masked(
 ) -> torch.Tensor:
     """Materialize over all T keys (K/V expanded at once, as transformers' own attention holds them);
     same shapes as `absorb_masked`."""
-    cd = _compute_dtype(c_kv.dtype, c_kv.device)
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
     k, v = expand(c_kv.to(cd), k_pe.to(cd), w_uk.to(cd), w_uv.to(cd))  # [B,H,T,dn+dr], [B,H,T,dv]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [B, H, S, T]

@@ -10,7 +10,10 @@ import torch
 SCORE_BUDGET = 1 << 26
 
 
+# a fixed property of the machine: dynamo calls it once instead of tracing the probe (which breaks
+# the graph: the probe returns a bool)
 @functools.cache
+@torch.compiler.assume_constant_result
 def _cpu_has_fast(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
