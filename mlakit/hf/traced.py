@@ -10,6 +10,8 @@ from the static sizes when the graph is traced, not per call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mlakit.config import MLAConfig
@@ -24,6 +26,7 @@ def is_traced() -> bool:
     return torch.compiler.is_compiling()
 
 
+@functools.cache
 @torch.compiler.assume_constant_result
 def _crossover(widths: tuple[int, ...], cached: int | None) -> float:
     """New tokens from which materialize wins (inf: never); `cached` None: the long-context limit.
