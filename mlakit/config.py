@@ -44,6 +44,11 @@ class MLAConfig:
     attention_bias: bool = False  # bias on q_a_proj, kv_a_proj_with_mqa and o_proj
     max_position_embeddings: int = 4096  # the model's context window (informational)
     name: str = field(default="custom", compare=False)  # preset or source name
+    # DeepSeek Sparse Attention (docs/sparse.md); all None: dense MLA
+    index_n_heads: int | None = None  # lightning-indexer heads H_I
+    index_head_dim: int | None = None  # indexer head width d_I; one d_I key per token is cached
+    index_topk: int | None = None  # tokens each query attends to (k)
+    indexer_rope_interleave: bool | None = None  # indexer rope pairs interleaved (GLM-5) or halves (V3.2)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_layers"):
@@ -60,6 +65,7 @@ class MLAConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        _check_indexer(self)
 
     @property
     def qk_head_dim(self) -> int:
@@ -70,6 +76,11 @@ class MLAConfig:
     def latent_dim(self) -> int:
         """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_sparse(self) -> bool:
+        """True for DeepSeek Sparse Attention (an indexer selects index_topk tokens per query)."""
+        return self.index_topk is not None
 
     @property
     def is_yarn(self) -> bool:
@@ -148,6 +159,32 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     return out
 
 
+_INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "indexer_rope_interleave")
+
+
+def _check_indexer(cfg: MLAConfig) -> None:
+    """The DSA fields: all None (dense MLA) or all set, with a query latent and room for the rope dims."""
+    given = [f for f in _INDEXER_FIELDS if getattr(cfg, f) is not None]
+    if not given:
+        return
+    missing = [f for f in _INDEXER_FIELDS if getattr(cfg, f) is None]
+    if missing:
+        raise ValueError(
+            f"indexer fields are all-or-none: {', '.join(given)} set but {', '.join(missing)} missing"
+        )
+    for f in _INDEXER_FIELDS[:3]:
+        _check_positive_int(f, getattr(cfg, f))
+    if not isinstance(cfg.indexer_rope_interleave, bool):
+        raise ValueError(f"indexer_rope_interleave must be a bool, got {cfg.indexer_rope_interleave!r}")
+    if cfg.q_lora_rank is None:
+        raise ValueError("index_topk is set but q_lora_rank is None: indexer queries read the query latent")
+    if cfg.index_head_dim <= cfg.qk_rope_head_dim:
+        raise ValueError(
+            f"index_head_dim must be > qk_rope_head_dim ({cfg.qk_rope_head_dim}): its first "
+            f"qk_rope_head_dim dims are rotated, got {cfg.index_head_dim}"
+        )
+
+
 def _yarn(factor: float, original: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32) -> dict:
     return {
         "rope_type": "yarn",
@@ -204,7 +241,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=163840,
     ),
     "deepseek-v3": dict(_V3_ATTN),
-    "deepseek-v3.2": dict(_V3_ATTN),
+    "deepseek-v3.2": dict(
+        _V3_ATTN, index_n_heads=64, index_head_dim=128, index_topk=2048, indexer_rope_interleave=False
+    ),
     "kimi-k2": dict(
         _V3_ATTN,
         num_heads=64,
@@ -237,6 +276,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1_000_000.0,
         rope_interleave=True,
         max_position_embeddings=202752,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        indexer_rope_interleave=True,
     ),
     "minicpm3-4b": dict(
         hidden_size=2560,

@@ -19,6 +19,9 @@ _INTERLEAVED_BY_DEFAULT = {
     "glm_moe_dsa",
 }
 
+# DSA models: the layout of the indexer's rope (DeepSeek-V3.2 half-split, GLM-5 interleaved)
+_INDEXER_ROPE_INTERLEAVE = {"deepseek_v32": False, "glm_moe_dsa": True}
+
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 
 
@@ -99,4 +102,24 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         attention_bias=bool(d.get("attention_bias", False)),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         name=d.get("_name_or_path") or model_type or "custom",
+        **indexer_kwargs(d),
+    )
+
+
+def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
+    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises."""
+    if d.get("index_topk") is None:
+        return {}
+    model_type = d.get("model_type", "")
+    interleave = d.get("indexer_rope_interleave", _INDEXER_ROPE_INTERLEAVE.get(model_type))
+    if interleave is None:
+        raise ValueError(
+            f"config of model_type {model_type!r} has an indexer (index_topk) but mlakit does not know its "
+            f"indexer rope layout; known: {sorted(_INDEXER_ROPE_INTERLEAVE)}"
+        )
+    return dict(
+        index_n_heads=d.get("index_n_heads"),
+        index_head_dim=d.get("index_head_dim"),
+        index_topk=d["index_topk"],
+        indexer_rope_interleave=bool(interleave),
     )
