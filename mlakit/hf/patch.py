@@ -6,6 +6,7 @@ from torch import nn
 
 from mlakit.dispatch import check_mode
 from mlakit.hf.attention import PatchedMLAAttention, is_supported_attention
+from mlakit.hf.dsa import DSA_MODELS, PatchedDSAAttention, is_dsa_attention
 
 SUPPORTED_MODELS = (
     "DeepseekV2ForCausalLM",
@@ -16,6 +17,7 @@ SUPPORTED_MODELS = (
     "Glm4MoeLiteModel",
     "MiniCPM3ForCausalLM",
     "MiniCPM3Model",
+    *DSA_MODELS,
 )
 
 __all__ = ["SUPPORTED_MODELS", "is_patched", "patch", "unpatch"]
@@ -42,7 +44,8 @@ def patch(model: nn.Module, *, mode: str = "auto") -> nn.Module:
         if isinstance(child, PatchedMLAAttention):
             child.mode = mode
         else:
-            replacements.append((parent, name, PatchedMLAAttention(child, mode)))
+            cls = PatchedDSAAttention if is_dsa_attention(child) else PatchedMLAAttention
+            replacements.append((parent, name, cls(child, mode)))
     for parent, name, patched in replacements:
         setattr(parent, name, patched)
     return model
@@ -68,6 +71,10 @@ def _attention_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]
     sites = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, PatchedMLAAttention) or is_supported_attention(child):
+            if (
+                isinstance(child, PatchedMLAAttention)
+                or is_supported_attention(child)
+                or is_dsa_attention(child)
+            ):
                 sites.append((parent, name, child))
     return sites
