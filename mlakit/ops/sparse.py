@@ -54,9 +54,13 @@ def index_scores(
     q = q_idx.reshape(batch, new * heads, dim).to(cd)  # [B, S·H_I, d_I]
     w = (weights.to(acc) * (heads * dim) ** -0.5).reshape(batch * new, 1, heads)  # [B·S, 1, H_I]
     out = torch.empty(batch, new, keys, dtype=acc, device=q_idx.device)
-    for k0 in range(0, keys, INDEX_KEY_BLOCK):
-        k1 = min(keys, k0 + INDEX_KEY_BLOCK)
-        dots = torch.bmm(q, k_idx[:, k0:k1].to(cd).transpose(1, 2)).relu_()  # [B, S·H_I, t]
+    block = min(keys, INDEX_KEY_BLOCK)
+    # one reused conversion buffer: a fresh tensor per block costs page faults (see ops/absorb.py)
+    buf = None if k_idx.dtype == cd else torch.empty(batch, block, dim, dtype=cd, device=k_idx.device)
+    for k0 in range(0, keys, block):
+        k1 = min(keys, k0 + block)
+        k_blk = k_idx[:, k0:k1] if buf is None else buf[:, : k1 - k0].copy_(k_idx[:, k0:k1])
+        dots = torch.bmm(q, k_blk.transpose(1, 2)).relu_()  # [B, S·H_I, t]
         dots = dots.to(acc).view(batch * new, heads, k1 - k0)
         out[:, :, k0:k1] = torch.bmm(w, dots).view(batch, new, k1 - k0)
     hidden = _hidden_keys(kv_lens, new, keys, q_idx.device, key_mask)  # [B, S, T']
@@ -135,10 +139,11 @@ def sparse_absorb(
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [B,T,W], rows [B,s,k] → [B,s,k,W]."""
+    """x [B,T,W], rows [B,s,k] (0 <= rows < T) → [B,s,k,W]: one index_select over the flattened rows."""
     batch, new, k = rows.shape
-    flat = rows.reshape(batch, new * k, 1).expand(batch, new * k, x.shape[-1])
-    return x.gather(1, flat.to(x.device)).view(batch, new, k, -1)
+    tokens = x.shape[1]
+    flat = rows.to(x.device).reshape(batch, new * k) + tokens * torch.arange(batch, device=x.device)[:, None]
+    return x.reshape(batch * tokens, -1).index_select(0, flat.flatten()).view(batch, new, k, -1)
 
 
 def sparse_absorb_gathered(
@@ -170,8 +175,11 @@ def _selected_attention(q_lat, q_pe, c_sel, k_sel, hidden, scale):
     """Each query against its own k gathered latents: (o_lat [B,s,H,L] fp32, lse [B,s,H])."""
     batch, new, heads, latent = q_lat.shape
     k = c_sel.shape[2]
-    c = c_sel.masked_fill(hidden[..., None], 0).view(batch * new, k, latent)  # NaN-safe: 0 · NaN is NaN
-    kp = k_sel.masked_fill(hidden[..., None], 0).view(batch * new, k, -1)
+    if bool(hidden.any()):
+        # NaN-safe: a hidden row gets probability 0, but 0 · NaN is NaN
+        c_sel, k_sel = c_sel.masked_fill(hidden[..., None], 0), k_sel.masked_fill(hidden[..., None], 0)
+    c = c_sel.reshape(batch * new, k, latent)
+    kp = k_sel.reshape(batch * new, k, -1)
     q_l = q_lat.reshape(batch * new, heads, latent) * scale
     q_r = q_pe.reshape(batch * new, heads, -1) * scale
     scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2))  # [B·s, H, k]
