@@ -97,6 +97,10 @@ class MLAConfig:
                 scale *= m * m
         return scale
 
+    def dense(self) -> MLAConfig:
+        """The same widths without the indexer (dense MLA)."""
+        return replace(self, **dict.fromkeys(_INDEXER_FIELDS))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

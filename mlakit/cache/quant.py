@@ -7,6 +7,10 @@ serving, so rope scores are exact). For DeepSeek-V3 widths (L 512, dr 64) in bf1
 - None: 512 + 64 values of 2 bytes                                          = 1152 bytes;
 - "fp8":  512 e4m3 values, 4 fp32 scales (one per 128 values), 64 bf16 rope = 656 bytes (FlashMLA's);
 - "int8": 512 int8 values, 1 fp32 scale per token, 64 bf16 rope             = 644 bytes.
+
+A DSA model (DeepSeek-V3.2, GLM-5) also keeps its indexer key (index_head_dim values) at the end of the
+row: in the compute dtype (256 bytes in bf16), or, quantized, as e4m3 / int8 values and one fp32 scale
+per 128 values (one per key when index_head_dim is not a multiple of 128): 132 bytes at width 128.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class TokenLayout:
     scale: Field | None  # fp32 scales of the latent; None when not quantized
     rope: Field
     row_bytes: int  # bytes per token, padding for alignment included (none at usual widths)
+    index: Field | None = None  # DSA indexer key; None for dense MLA
+    index_scale: Field | None = None  # its fp32 scales when quantized
 
 
 def check_quant(quant: str | None) -> None:
@@ -56,13 +62,30 @@ def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> Token
     if quant is not None:
         parts.append(("scale", torch.float32, latent_width // FP8_GROUP if quant == "fp8" else 1))
     parts.append(("rope", dtype, cfg.qk_rope_head_dim))
+    if cfg.is_sparse:
+        parts.append(("index", parts[0][1], cfg.index_head_dim))
+        if quant is not None:
+            parts.append(("index_scale", torch.float32, index_groups(cfg.index_head_dim, quant)))
     fields, offset = {}, 0
     for name, dt, count in parts:
         offset = _align(offset, dt.itemsize)
         fields[name] = Field(dt, count, offset)
         offset += dt.itemsize * count
     row = _align(offset, max(dt.itemsize for _, dt, _ in parts))
-    return TokenLayout(quant, fields["latent"], fields.get("scale"), fields["rope"], row)
+    return TokenLayout(
+        quant,
+        fields["latent"],
+        fields.get("scale"),
+        fields["rope"],
+        row,
+        fields.get("index"),
+        fields.get("index_scale"),
+    )
+
+
+def index_groups(width: int, quant: str) -> int:
+    """fp32 scales of one quantized indexer key: one per 128 values (fp8) when they divide, else one."""
+    return width // FP8_GROUP if quant == "fp8" and width % FP8_GROUP == 0 else 1
 
 
 def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
@@ -71,11 +94,15 @@ def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
     return rows[:, field.offset : field.offset + size * field.count].view(field.dtype)
 
 
-def quantize(latent: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1])."""
+def quantize(
+    latent: torch.Tensor, quant: str, groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1]; [N, groups]
+    when given)."""
     x = latent.float()
     n, width = x.shape
-    groups = width // FP8_GROUP if quant == "fp8" else 1
+    if groups is None:
+        groups = width // FP8_GROUP if quant == "fp8" else 1
     x = x.view(n, groups, width // groups)
     top = FP8_MAX if quant == "fp8" else INT8_MAX
     scale = x.abs().amax(dim=-1) / top  # [N, G]

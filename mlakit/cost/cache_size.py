@@ -55,7 +55,9 @@ class CacheLayout:
         return self.content_bytes(dtype) + self.rope_bytes(dtype)
 
 
-INDEX_TILE = 128  # indexer key values per fp32 scale in the fp8 layout (DeepSeek's reference, vLLM)
+# indexer key values per fp32 scale in the fp8 layout (DeepSeek's reference, vLLM); one scale per key
+# when the width is not a multiple of it (mlakit.cache.quant)
+INDEX_TILE = 128
 
 
 def index_key_bytes(cfg: MLAConfig, dtype: str = "bf16") -> int:
@@ -64,10 +66,9 @@ def index_key_bytes(cfg: MLAConfig, dtype: str = "bf16") -> int:
     if not cfg.is_sparse:
         raise ValueError(f"model {cfg.name!r} has no indexer (index_topk is None): not a DSA model")
     d = cfg.index_head_dim
-    if dtype == "fp8":
-        return d + math.ceil(d / INDEX_TILE) * SCALE_BYTES
-    if dtype == "int8":
-        return d + SCALE_BYTES
+    if dtype in ("fp8", "int8"):
+        groups = d // INDEX_TILE if dtype == "fp8" and d % INDEX_TILE == 0 else 1
+        return d + groups * SCALE_BYTES
     return d * VALUE_BYTES[dtype]
 
 
