@@ -161,3 +161,19 @@ def test_static_cache():
     mhf.patch(model)
     got, _, _ = greedy(model, ids, mask, new_tokens=6, cache_implementation="static")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["v32-k8", "glm5-k8"])
+def test_load_attention_reads_the_indexer(tmp_path, name):
+    from mlakit.hf import load_attention
+
+    model = tiny_model(name)
+    model.save_pretrained(tmp_path / "ckpt")
+    layer = load_attention(tmp_path / "ckpt", 1)
+    want = model.model.layers[1].self_attn.state_dict()
+    got = layer.state_dict()
+    assert sorted(got) == sorted(want) and any(k.startswith("indexer.") for k in got)
+    for key, value in want.items():
+        assert torch.equal(got[key].to(value.dtype), value), key
+    assert layer.indexer.weights_proj.weight.dtype == torch.float32
+    assert layer.cfg.index_topk == model.config.index_topk
