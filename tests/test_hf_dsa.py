@@ -177,3 +177,20 @@ def test_load_attention_reads_the_indexer(tmp_path, name):
         assert torch.equal(got[key].to(value.dtype), value), key
     assert layer.indexer.weights_proj.weight.dtype == torch.float32
     assert layer.cfg.index_topk == model.config.index_topk
+
+
+def test_load_attention_refuses_a_misshapen_indexer_weight(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mlakit.hf import load_attention
+
+    model = tiny_model("v32-k8")
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder, max_shard_size="1GB")
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.indexer.wk.weight"
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1, tensors[name].shape[1])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="indexer.wk.weight"):
+        load_attention(folder, 1)
