@@ -11,6 +11,7 @@ from mlakit.cache.checks import int_list
 from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.cache.paged import PagedLatentCache, rows_reader
 from mlakit.cache.plan import RowGroup, StepPlan, local_plan
+from mlakit.cache.quant import hadamard
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
@@ -281,6 +282,9 @@ class MLAAttention(nn.Module):
             k_ctx = local[2][:, : g.key_len]
         else:
             k_ctx = cache.index_keys(layer, g, g.key_len)
+            if getattr(cache, "index_rotation", False):
+                # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
+                index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
         scores = index_scores(*index_q, k_ctx, g.kv_lens, max_keys=g.key_len)  # [R, S, key_len]
         picked = select_topk(scores, self.cfg.index_topk)  # [R, S, k]
         w_uk, w_uv = self.up_weights()

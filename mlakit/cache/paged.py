@@ -12,7 +12,15 @@ import torch
 from mlakit.cache.blocks import BlockManager, blocks_for
 from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
 from mlakit.cache.plan import StepPlan, key_bucket
-from mlakit.cache.quant import dequantize, field_view, index_groups, quantize, token_layout
+from mlakit.cache.quant import (
+    dequantize,
+    field_view,
+    hadamard,
+    index_groups,
+    index_rotated,
+    quantize,
+    token_layout,
+)
 from mlakit.cache.step import StepCache, row_counts
 from mlakit.config import MLAConfig
 
@@ -84,6 +92,11 @@ class PagedLatentCache(StepCache):
     @property
     def quant(self) -> str | None:
         return self.layout.quant
+
+    @property
+    def index_rotation(self) -> bool:
+        """True when the indexer keys are stored Hadamard-rotated (fp8): queries must be rotated too."""
+        return index_rotated(self.cfg, self.layout.quant)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,12 +228,16 @@ class PagedLatentCache(StepCache):
             if lay.quant is None:
                 field_view(rows, lay.index).index_copy_(0, target, keys)
             else:
-                values, scale = quantize(keys, lay.quant, index_groups(keys.shape[-1], lay.quant))
+                if self.index_rotation:
+                    keys = hadamard(keys)
+                groups = index_groups(keys.shape[-1], lay.quant)
+                values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
                 field_view(rows, lay.index).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
                 field_view(rows, lay.index_scale).index_copy_(0, target, scale)
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
-        """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths)."""
+        """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
+        Hadamard-rotated when `index_rotation`."""
         rows = group.read_rows[:, :key_len]
         flat = rows.reshape(-1)
         lay, pool = self.layout, self._rows[layer]

@@ -10,7 +10,8 @@ serving, so rope scores are exact). For DeepSeek-V3 widths (L 512, dr 64) in bf1
 
 A DSA model (DeepSeek-V3.2, GLM-5) also keeps its indexer key (index_head_dim values) at the end of the
 row: in the compute dtype (256 bytes in bf16), or, quantized, as e4m3 / int8 values and one fp32 scale
-per 128 values (one per key when index_head_dim is not a multiple of 128): 132 bytes at width 128.
+per 128 values (one per key when index_head_dim is not a multiple of 128): 132 bytes at width 128. fp8
+keys are Hadamard-rotated first, with power-of-two scales (DeepSeek's reference indexer).
 """
 
 from __future__ import annotations
@@ -83,6 +84,25 @@ def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> Token
     )
 
 
+def index_rotated(cfg: MLAConfig, quant: str | None) -> bool:
+    """fp8 indexer keys are stored Hadamard-rotated (DeepSeek's reference): when the width is a power of 2."""
+    d = cfg.index_head_dim
+    return cfg.is_sparse and quant == "fp8" and d & (d - 1) == 0
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a power of two) times the orthonormal Walsh–Hadamard matrix H_n / √n, in fp32:
+    orthogonal, so (Hq)·(Hk) = q·k, while it spreads an outlier channel over all n values before fp8."""
+    n = x.shape[-1]
+    y = x.float().reshape(-1, n)
+    h = 1
+    while h < n:
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        y = torch.cat([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]], dim=-1).view(-1, n)
+        h *= 2
+    return (y * n**-0.5).view(x.shape)
+
+
 def index_groups(width: int, quant: str) -> int:
     """fp32 scales of one quantized indexer key: one per 128 values (fp8) when they divide, else one."""
     return width // FP8_GROUP if quant == "fp8" and width % FP8_GROUP == 0 else 1
@@ -95,10 +115,10 @@ def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
 
 
 def quantize(
-    latent: torch.Tensor, quant: str, groups: int | None = None
+    latent: torch.Tensor, quant: str, groups: int | None = None, pow2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1]; [N, groups]
-    when given)."""
+    when given). `pow2`: scales rounded up to a power of two (DeepSeek's fp8 indexer keys)."""
     x = latent.float()
     n, width = x.shape
     if groups is None:
@@ -108,6 +128,8 @@ def quantize(
     scale = x.abs().amax(dim=-1) / top  # [N, G]
     # an all-zero group keeps scale 1 so that dequantizing never divides 0 by 0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     y = (x / scale[..., None]).clamp_(-top, top)
     values = y.to(torch.float8_e4m3fn) if quant == "fp8" else y.round_().to(torch.int8)
     return values.view(n, width), scale
