@@ -180,11 +180,12 @@ def sparse_absorb_gathered(
 
 
 def _selected_attention(q_lat, q_pe, c_sel, k_sel, hidden, scale):
-    """Each query against its own k gathered latents: (o_lat [B,s,H,L] fp32, lse [B,s,H])."""
+    """Each query against its own k gathered latents: (o_lat [B,s,H,L] fp32, lse [B,s,H]). c_sel and
+    k_sel are overwritten (fresh gathers)."""
     batch, new, heads, latent = q_lat.shape
     k = c_sel.shape[2]
-    # NaN-safe: a hidden row gets probability 0, but 0 · NaN is NaN
-    c_sel, k_sel = c_sel.masked_fill(hidden[..., None], 0), k_sel.masked_fill(hidden[..., None], 0)
+    # NaN-safe: a hidden row gets probability 0, but 0 · NaN is NaN (in place: gathers are fresh tensors)
+    c_sel, k_sel = c_sel.masked_fill_(hidden[..., None], 0), k_sel.masked_fill_(hidden[..., None], 0)
     c = c_sel.reshape(batch * new, k, latent)
     kp = k_sel.reshape(batch * new, k, -1)
     q_l = q_lat.reshape(batch * new, heads, latent) * scale
