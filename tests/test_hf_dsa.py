@@ -125,16 +125,18 @@ def test_greedy_same_tokens_past_index_topk(name, lengths):
             assert err <= 1e-4 * b.indexer_keys.abs().max().item(), f"indexer cache {i} differs by {err:.3g}"
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("mode", ["auto", "absorb", "materialize"])
-def test_prefill_longer_than_k_on_every_path(mode):
+@pytest.mark.parametrize("name", ["v32-k8", "glm5-k12-shared"])
+def test_prefill_longer_than_k_on_every_path(name, mode, use_cache):
     from mlakit.cost import choose_sparse
 
-    model = tiny_model("v32-k8")
+    model = tiny_model(name)
     ids, mask = prompts((30,))
     with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
+        want = model(ids, attention_mask=mask, use_cache=use_cache).logits
         mhf.patch(model, mode=mode)
-        got = model(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask, use_cache=use_cache).logits
     layers = patched_layers(model)
     expected = choose_sparse(layers[0].cfg, 30, 0) if mode == "auto" else f"sparse-{mode}"
     assert {m.last_mode for m in layers} == {expected}
