@@ -53,18 +53,22 @@ def index_scores(
     keys = int(kv_lens.max()) if max_keys is None else max_keys
     cd = compute_dtype(k_idx.dtype, k_idx.device)
     acc = acc_dtype(cd)
-    q = q_idx.reshape(batch, new * heads, dim).to(cd)  # [B, S·H_I, d_I]
-    w = (weights.to(acc) * (heads * dim) ** -0.5).reshape(batch * new, 1, heads)  # [B·S, 1, H_I]
+    # queries as the right operand [B, d_I, S·H_I]: keys·queries runs BLAS's plain (fast) layout
+    q_t = q_idx.to(cd).permute(0, 3, 1, 2).reshape(batch, dim, new * heads)
+    w = weights.to(acc) * (heads * dim) ** -0.5  # [B, S, H_I]
     out = torch.empty(batch, new, keys, dtype=acc, device=q_idx.device)
     block = min(keys, INDEX_KEY_BLOCK)
+    step = query_chunk(batch * heads, block, new)  # bounds the [B, t, s·H_I] dot products
     # one reused conversion buffer: a fresh tensor per block costs page faults (see ops/absorb.py)
     buf = None if k_idx.dtype == cd else torch.empty(batch, block, dim, dtype=cd, device=k_idx.device)
     for k0 in range(0, keys, block):
         k1 = min(keys, k0 + block)
         k_blk = k_idx[:, k0:k1] if buf is None else buf[:, : k1 - k0].copy_(k_idx[:, k0:k1])
-        dots = torch.bmm(q, k_blk.transpose(1, 2)).relu_()  # [B, S·H_I, t]
-        dots = dots.to(acc).view(batch * new, heads, k1 - k0)
-        out[:, :, k0:k1] = torch.bmm(w, dots).view(batch, new, k1 - k0)
+        for s0 in range(0, new, step):
+            s1 = min(new, s0 + step)
+            dots = torch.bmm(k_blk, q_t[:, :, s0 * heads : s1 * heads]).relu_()  # [B, t, s·H_I]
+            dots = dots.to(acc).view(batch, k1 - k0, s1 - s0, heads)
+            out[:, s0:s1, k0:k1] = torch.einsum("btsh,bsh->bst", dots, w[:, s0:s1])
     hidden = _hidden_keys(kv_lens, new, keys, q_idx.device, key_mask)  # [B, S, T']
     return out.masked_fill_(hidden, float("-inf"))
 
