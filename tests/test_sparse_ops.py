@@ -279,3 +279,23 @@ def test_from_hf_reads_their_dsa_config(family):
     d["model_type"] = "some_new_dsa"
     with pytest.raises(ValueError, match="indexer rope layout"):
         MLAConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_index_scores_in_small_blocks_and_query_chunks(family, monkeypatch):
+    import mlakit.ops.common as common
+    import mlakit.ops.sparse as sparse
+
+    config, attn, _ = hf_attention(family, seed=3)
+    cfg, indexer = our_indexer(config, attn)
+    x = randn(2, 23, HIDDEN, seed=4)
+    with torch.no_grad():
+        whole, q_resid = fresh_scores(cfg, indexer, attn, x)
+        monkeypatch.setattr(sparse, "INDEX_KEY_BLOCK", 5)  # 23 keys: 4 full blocks and one of 3
+        monkeypatch.setattr(common, "SCORE_BUDGET", 2 * 8 * 5 * 3)  # 3 queries per chunk
+        blocked, _ = fresh_scores(cfg, indexer, attn, x)
+        want = oracle_scores(indexer, cfg, x, q_resid, inv_freq(cfg), attention_factor(cfg))
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isneginf(blocked), torch.isneginf(want))
+    assert_close("blocked index scores", blocked[finite], want[finite].float(), rtol=1e-5)
+    assert_close("blocked vs whole", blocked[finite], whole[finite], rtol=1e-6)
