@@ -33,6 +33,8 @@ from mlakit.ops import absorb
 from mlakit.ops.sparse import index_scores, select_topk, sparse_absorb
 from mlakit.rope import RotaryTable
 
+# mlakit's layer step at the transformers context: bf16 (weights and cache) and fp32 (transformers' dtype)
+LAYER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GATE_REL = 2e-2  # bf16 cache, fp32 compute: the two forms round differently, never by this much
 
 
@@ -221,7 +223,7 @@ def main() -> None:
     print(f"torch {torch.__version__}; machine: {machine}; load {os.getloadavg()[0]:.1f}")
     proj = projection_time(cfg, dtype, repeats)
     rows = []
-    for cached in (int(v) for v in args.contexts.split(",")):
+    for cached in (int(v) for v in args.contexts.split(",") if v):
         r = core_case(cfg, cached, dtype, repeats, proj)
         rows.append(r)
         print(
@@ -234,13 +236,18 @@ def main() -> None:
         )
     hf_rows = []
     if args.hf_context:
-        mine = layer_step(cfg, args.hf_context, dtype, repeats) * 1e3
+        mine = {
+            name: layer_step(cfg, args.hf_context, dt, repeats) * 1e3 for name, dt in LAYER_DTYPES.items()
+        }
         h = hf_case(cfg, args.hf_context, max(1, repeats // 2), mine)
         hf_rows.append(h)
+        theirs = h["transformers_step_ms"]
         print(
-            f"T {args.hf_context:>7,}: transformers DeepseekV32Attention step "
-            f"{h['transformers_step_ms']:.0f} ms (fp32, eager), mlakit MLAAttention step {mine:.1f} ms "
-            f"(bf16 weights and cache, sparse-absorb) -> {h['transformers_step_ms'] / mine:.0f}x"
+            f"T {args.hf_context:>7,}: transformers DeepseekV32Attention step {theirs:.0f} ms (fp32, eager); "
+            + ", ".join(
+                f"mlakit MLAAttention {n} {ms:.1f} ms -> {theirs / ms:.0f}x" for n, ms in mine.items()
+            )
+            + " (sparse-absorb)"
         )
     if args.json:
         with open(args.json, "w") as f:
