@@ -322,6 +322,7 @@ class MLAAttention(nn.Module):
             workspace_tokens=self.workspace_tokens,
             max_keys=g.key_len,
         )
+        return out
 
     def _absorb_pages(self, plan, g: RowGroup, layer, q_nope, q_pe) -> torch.Tensor:
         """Absorb over one layer's pages: the fused kernel (block table, kv_lens on the device) or the
