@@ -58,6 +58,14 @@ def run(args) -> int:
             f"{per_token:>11} {per_seq:>13}"
         )
     print(f"MLA caches as much as GQA with {r['mla_equivalent_gqa_groups']:.3g} groups at these head widths")
+    if "indexer" in r:
+        ix = r["indexer"]
+        print(
+            f"DSA indexer key: {ix['index_key_bytes_per_token_per_layer']} B/token/layer beside the latent: "
+            f"mla + indexer {ix['mla_with_indexer_bytes_per_token_per_layer']:,} B/token/layer, "
+            f"{format_bytes(ix['mla_with_indexer_bytes_per_token'])} per token, "
+            f"{format_bytes(ix['mla_with_indexer_bytes_per_sequence'])} per sequence"
+        )
     if "per_rank" in r:
         pr = r["per_rank"]
         shown = ", ".join(format_bytes(b) for b in pr["mla_bytes_per_rank"][:8])

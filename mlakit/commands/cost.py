@@ -86,6 +86,8 @@ def print_report(r: dict) -> None:
         f"crossover at this context: {_tok(c['exact'])} new tokens (multiply-adds), "
         f"{_tok(c['roofline'])} (roofline); long-context limit {_tok(c['asymptotic'])}"
     )
+    if "sparse" in r:
+        print_sparse(r["sparse"], r)
 
 
 def _figures(t: dict) -> str:
@@ -94,3 +96,40 @@ def _figures(t: dict) -> str:
 
 def _tok(x) -> str:
     return "none" if x is None else f"{x:,.1f}"
+
+
+def print_sparse(s: dict, r: dict) -> None:
+    """The DSA section: both sparse paths, the indexer's terms, break-even and the decode figures."""
+    m = s["summary"]
+    print(
+        f"DSA (index_topk {m['index_topk']:,}, indexer {m['index_n_heads']} heads x {m['index_head_dim']}): "
+        + (
+            "every query sees <= index_topk keys, dense attention (the dense rows above are exact)"
+            if s["dense"]
+            else "sparse: each query attends to index_topk selected latents"
+        )
+    )
+    print(f"{'path':<19} {'term':<20} {'multiply-adds':>16} {'bytes':>14}")
+    for path, terms in s["terms"].items():
+        for name, t in terms.items():
+            print(f"{path:<19} {name:<20} {t['macs']:>16,.0f} {t['bytes']:>14,.0f}")
+        t = s["totals"][path]
+        print(f"{path:<19} {'total':<20} {t['macs']:>16,.0f} {t['bytes']:>14,.0f}")
+    band = s["crossover"]
+    where = "never" if band is None else f"{band[0]:,.1f} <= new < " + _tok(band[1])
+    print(
+        f"fewer multiply-adds: {s['fewer_macs']}; auto picks {s['auto_picks']}; materialize cheaper: {where}"
+    )
+    b = m["breakeven_bytes"]
+    print(
+        f"DSA decode beats dense absorb from {m['breakeven_macs']:,.0f} cached tokens (multiply-adds; "
+        f"{m['breakeven_macs_with_projections']:,.0f} with the indexer projections), from "
+        f"{b['bf16_latent_fp8_index']:,.0f}-{b['bf16']:,.0f} (bytes, bf16 latent, fp8/bf16 indexer key)"
+    )
+    for d in m["decode"]:
+        c, a = d["core"], d["all_terms"]
+        print(
+            f"  decode at {d['cached']:>7,} cached: {c['ratio']:.2f}x fewer multiply-adds than dense, "
+            f"indexer {c['indexer_share']:.1%} of the rest ({a['ratio']:.2f}x, {a['indexer_share']:.1%} "
+            "with every term)"
+        )

@@ -13,6 +13,7 @@ from mlakit.cost.cache_size import (
     cache_layouts,
     format_bytes,
     gqa_groups_defined,
+    index_key_bytes,
     mla_equivalent_gqa_groups,
 )
 from mlakit.cost.crossover import (
@@ -34,6 +35,20 @@ from mlakit.cost.roofline import (
     shared_term_times,
     term_times,
 )
+from mlakit.cost.sparse import (
+    SPARSE_MODES,
+    choose_sparse,
+    dsa_breakeven,
+    dsa_breakeven_bytes,
+    dsa_decode_summary,
+    dsa_report,
+    indexer_macs,
+    selected_pairs,
+    sparse_cost,
+    sparse_crossover,
+    sparse_path_macs,
+    sparse_path_terms,
+)
 from mlakit.cost.terms import (
     MODELS,
     MODES,
@@ -48,6 +63,19 @@ from mlakit.cost.terms import (
 from mlakit.cost.traffic import absorb_bytes, compute_dtype, materialize_bytes, path_bytes, shared_bytes
 
 __all__ = [
+    "SPARSE_MODES",
+    "choose_sparse",
+    "dsa_breakeven",
+    "dsa_breakeven_bytes",
+    "dsa_decode_summary",
+    "dsa_report",
+    "index_key_bytes",
+    "indexer_macs",
+    "selected_pairs",
+    "sparse_cost",
+    "sparse_crossover",
+    "sparse_path_macs",
+    "sparse_path_terms",
     "CACHE_DTYPES",
     "DEFAULT_GQA_GROUPS",
     "MACHINES",

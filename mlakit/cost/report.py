@@ -6,6 +6,7 @@ from mlakit.config import PRESETS, MLAConfig
 from mlakit.cost.cache_size import cache_economics, format_bytes
 from mlakit.cost.crossover import crossover, roofline_crossover
 from mlakit.cost.roofline import MachineProfile, path_term_times, resolve_machine, shared_term_times
+from mlakit.cost.sparse import sparse_cost
 from mlakit.cost.terms import MODES, path_terms, shared_macs
 from mlakit.cost.traffic import path_bytes, shared_bytes
 
@@ -34,6 +35,7 @@ def cost_report(
         terms[mode] = _rows(macs, nbytes, times)
     totals = {mode: _totals(terms[mode], terms["shared"]) for mode in MODES}
     point = crossover(cfg, context, model)
+    sparse = {"sparse": sparse_cost(cfg, context, new, dtype, model)} if cfg.is_sparse else {}
     return {
         "model": cfg.name,
         "context": context,
@@ -51,6 +53,7 @@ def cost_report(
             "asymptotic": point.asymptotic,
             "roofline": roofline_crossover(cfg, context, profile, dtype, model, fused),
         },
+        **sparse,
     }
 
 

@@ -29,6 +29,7 @@ _EXPORTS = {
     "patch": "mlakit.hf.patch",
     "unpatch": "mlakit.hf.patch",
     "PatchedMLAAttention": "mlakit.hf.attention",
+    "PatchedDSAAttention": "mlakit.hf.dsa",
     "load_attention": "mlakit.hf.load",
 }
 

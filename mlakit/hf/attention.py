@@ -54,7 +54,7 @@ class PatchedMLAAttention(nn.Module):
     def __init__(self, original: nn.Module, mode: str = "auto"):
         super().__init__()
         check_mode(mode)
-        module_path, self.rope_kind = SUPPORTED_ATTENTION[type(original).__name__]
+        module_path, self.rope_kind = self.family_of(original)
         self.family = FAMILIES[type(original).__name__]
         self.rope_module = sys.modules[module_path]
         for name in SUBMODULES:
@@ -80,6 +80,11 @@ class PatchedMLAAttention(nn.Module):
         self.train(original.training)
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
+
+    @classmethod
+    def family_of(cls, original: nn.Module) -> tuple[str, str]:
+        """(modeling module, rope convention) of the attention this class replaces."""
+        return SUPPORTED_ATTENTION[type(original).__name__]
 
     def forward(
         self,

@@ -26,6 +26,18 @@ _FIXED_LAYOUT.pop("minicpm3")
 # model types whose q_a/kv_a layernorms take config.rms_norm_eps (the others build them with 1e-6)
 _LATENT_EPS_FROM_CONFIG = {"hy_v4_vl_text", "dots3_note_text", "glm5_next_text", "mistral_large4_text"}
 
+# DSA models: the layout of the indexer's rope (DeepSeek-V3.2 half-split, GLM-5 interleaved)
+# the indexer's rope layout, read from each family's modeling file (transformers 5.24)
+_INDEXER_ROPE_INTERLEAVE = {
+    "deepseek_v32": False,
+    "glm_moe_dsa": True,
+    "axk2": False,
+    "hy_v4": False,
+    "hy_v4_vl_text": False,
+    "mistral_large4": True,
+    "mistral_large4_text": True,
+}
+
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 
 
@@ -148,6 +160,26 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         attention_bias=False if bias is None else checks.boolean("attention_bias", bias),
         max_position_embeddings=4096 if max_pos is None else max_pos,
         name=checks.text("_name_or_path", name),
+        **indexer_kwargs(d),
+    )
+
+
+def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
+    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises."""
+    if d.get("index_topk") is None:
+        return {}
+    model_type = d.get("model_type", "")
+    interleave = d.get("indexer_rope_interleave", _INDEXER_ROPE_INTERLEAVE.get(model_type))
+    if interleave is None:
+        raise ValueError(
+            f"config of model_type {model_type!r} has an indexer (index_topk) but mlakit does not know its "
+            f"indexer rope layout; known: {sorted(_INDEXER_ROPE_INTERLEAVE)}"
+        )
+    return dict(
+        index_n_heads=d.get("index_n_heads"),
+        index_head_dim=d.get("index_head_dim"),
+        index_topk=d["index_topk"],
+        indexer_rope_interleave=checks.boolean("indexer_rope_interleave", interleave),
     )
 
 

@@ -125,7 +125,7 @@ FAMILIES: dict[str, Family] = {
         "DeepseekV32ForCausalLM",
         "DeepseekV32Model",
         differences="DeepSeek-V3 with a DSA indexer",
-        refused=DSA_REASON,
+        refused=None,  # served by mlakit.hf.dsa
     ),
     "GlmMoeDsaAttention": _f(
         "glm_moe_dsa",
@@ -134,7 +134,7 @@ FAMILIES: dict[str, Family] = {
         "GlmMoeDsaForCausalLM",
         "GlmMoeDsaModel",
         differences="DSA indexer with top-k shared across layers (indexer_types)",
-        refused=DSA_REASON,
+        refused=None,  # served by mlakit.hf.dsa
     ),
     "AXK2Attention": _f(
         "axk2",

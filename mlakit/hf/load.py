@@ -60,11 +60,13 @@ def load_attention(
         prefix = layer_prefix(files, layer)
     module = MLAAttention(cfg, device="meta", dtype=dtype)
     shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    # the module's own dtype per tensor: `dtype`, except what it keeps in fp32 (indexer.weights_proj)
+    dtypes = {name: t.dtype for name, t in module.state_dict().items()}
     block = _block_size(config)
     state = read_layer(folder, files, prefix, shapes, block)
-    state = {name: t.to(dtype) for name, t in state.items()}
+    state = {name: t.to(dtypes[name]) for name, t in state.items()}
     for name, t in state.items():
-        _check_finite(f"{prefix}{name} (as {dtype})", t)
+        _check_finite(f"{prefix}{name} (as {dtypes[name]})", t)
     module.load_state_dict(state, assign=True)
     return module.to(device) if device is not None else module
 

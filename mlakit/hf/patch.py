@@ -14,6 +14,7 @@ from torch import nn
 
 from mlakit.dispatch import check_mode
 from mlakit.hf.attention import PatchedMLAAttention, is_supported_attention
+from mlakit.hf.dsa import PatchedDSAAttention, is_dsa_attention
 from mlakit.hf.families import FAMILIES, refused, supported, supported_models
 
 SUPPORTED = supported()
@@ -54,7 +55,8 @@ def patch(model: nn.Module, *, mode: str = "auto", strict: bool = True) -> nn.Mo
         if isinstance(child, PatchedMLAAttention):
             child.mode = mode
         else:
-            replacements.append((parent, name, PatchedMLAAttention(child, mode)))
+            cls = PatchedDSAAttention if is_dsa_attention(child) else PatchedMLAAttention
+            replacements.append((parent, name, cls(child, mode)))
     for parent, name, patched in replacements:
         setattr(parent, name, patched)
     if skipped:
@@ -101,7 +103,11 @@ def _attention_sites(model: nn.Module):
     sites, skipped = [], []
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
-            if isinstance(child, PatchedMLAAttention) or is_supported_attention(child):
+            if (
+                isinstance(child, PatchedMLAAttention)
+                or is_supported_attention(child)
+                or is_dsa_attention(child)
+            ):
                 sites.append((parent, name, child))
             elif (reason := refusal_reason(child)) is not None:
                 skipped.append((f"{parent_name}.{name}".lstrip("."), type(child).__name__, reason))
