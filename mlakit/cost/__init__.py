@@ -24,7 +24,7 @@ from mlakit.cost.crossover import (
     roofline_crossover,
 )
 from mlakit.cost.measured import load_results, measured_crossover, validate_results
-from mlakit.cost.report import cost_report, markdown_tables
+from mlakit.cost.report import cost_report, format_seconds, markdown_tables
 from mlakit.cost.roofline import (
     MACHINES,
     MachineProfile,
@@ -35,6 +35,7 @@ from mlakit.cost.roofline import (
     term_times,
 )
 from mlakit.cost.terms import (
+    DEFAULT_COUNTING,
     MODELS,
     MODES,
     absorb_macs,
@@ -49,6 +50,7 @@ from mlakit.cost.traffic import absorb_bytes, compute_dtype, materialize_bytes, 
 
 __all__ = [
     "CACHE_DTYPES",
+    "DEFAULT_COUNTING",
     "DEFAULT_GQA_GROUPS",
     "MACHINES",
     "MODELS",
@@ -67,6 +69,7 @@ __all__ = [
     "expanded_tokens",
     "first_crossing",
     "format_bytes",
+    "format_seconds",
     "gap_coefficients",
     "gqa_groups_defined",
     "keys_seen",
