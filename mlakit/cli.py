@@ -43,7 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"mlakit.commands.{name}").register(sub)
+    parser.set_defaults(_commands=sub.choices)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, with a flag the command does not know reported by that command's parser."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args._commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _user_error(err: BaseException) -> str | None:
@@ -63,7 +72,7 @@ def _user_error(err: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse(parser, argv)
     except SystemExit as done:  # --help, --version, a usage error: argparse has printed its line
         return done.code if isinstance(done.code, int) else 2
     try:

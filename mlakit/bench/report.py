@@ -24,7 +24,8 @@ def header(doc: dict) -> list[str]:
     v = env["versions"]
     lines = [
         f"mlakit bench: {doc['model']} one layer, {doc['dtype']}, on {env['device_name']} ({env['device']}), "
-        f"{env['threads']} thread{'s' if env['threads'] != 1 else ''}, torch {v['torch']}, transformers {v.get('transformers') or 'absent'}",
+        f"{env['threads']} thread{'s' if env['threads'] != 1 else ''}, torch {v['torch']}, "
+        f"transformers {v.get('transformers') or 'absent'}",
         f"times: median of {_calls(t)} calls after {t['warmup']} warm-up, up to "
         f"{t.get('noisy_repeats', t['repeats'])} where they spread over "
         f"{100 * t.get('noisy_spread', 0.2):.0f}% (min–max in results); '~' marks a cell still that noisy",
