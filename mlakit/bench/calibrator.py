@@ -4,6 +4,11 @@ CrossoverProfile that `mode="auto"` follows.
 Per context the new-token count grows by `step`× from 1 while absorb is faster, stops once
 materialize has won at two counts in a row (or at `max_new`), and one more count is timed at the
 geometric middle of the bracket; the crossover is read from those times like the bench's.
+
+Then it checks itself: both ends of the bracket are timed again, the two paths call by call in turn;
+a context whose verdict flips there is noise, not a crossover, and is left out of the profile (named
+in `extra["unmeasured"]`). Crossovers that fall with context by more than the noise allows, or jump,
+are named in `extra["warnings"]`. With no context left, calibrate refuses to save a profile.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from mlakit.bench.grid import Cell, Grid
 from mlakit.bench.progress import progress
 from mlakit.bench.run import torch_threads
 from mlakit.bench.sweep import gate, time_cell
-from mlakit.bench.timing import DEFAULT_TIMING, Timing
+from mlakit.bench.timing import DEFAULT_TIMING, Timing, time_interleaved
 from mlakit.calibration import CrossoverProfile, profile_path, widths_of
 from mlakit.config import MLAConfig
 from mlakit.cost import measured_crossover
@@ -74,9 +79,18 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
             bar.update()
     finally:
         bar.close()
-    points = tuple(
-        (t, measured_crossover(rows, t, opts.batch, opts.dtype)) for t in sorted(set(opts.contexts))
-    )
+    measured = {t: measured_crossover(rows, t, opts.batch, opts.dtype) for t in sorted(set(opts.contexts))}
+    unmeasured = {t: why for t in measured if (why := _confirm(ctx, opts, t, rows, measured[t]))}
+    points = tuple((t, x) for t, x in measured.items() if t not in unmeasured)
+    if not points:
+        detail = "; ".join(f"cached {t}: {why}" for t, why in unmeasured.items())
+        raise ValueError(
+            f"calibrate could not measure a consistent crossover at any context ({detail}); the machine is "
+            "too noisy: try --threads 1, or a quieter moment. Nothing saved."
+        )
+    extra = _extra(opts, rows)
+    extra["unmeasured"] = {str(t): why for t, why in unmeasured.items()}
+    extra["warnings"] = monotone_warnings(points, opts.max_new)
     profile = CrossoverProfile(
         model=cfg.name,
         widths=widths_of(cfg),
@@ -85,9 +99,55 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
         points=points,
         max_new=max(r["new"] for r in rows),
         machine=None if machine is None else machine.to_dict(),
-        extra=_extra(opts, rows),
+        extra=extra,
     )
     return profile, rows
+
+
+def _confirm(ctx: BenchContext, opts: CalibrateOptions, cached: int, rows: list[dict], cross) -> str | None:
+    """Time the bracket's ends again, both paths in turn; a reason if a verdict flips beyond the
+    noise, else None."""
+    mine = sorted({r["new"] for r in rows if r["cached"] == cached})
+    if cross is None:
+        ends = [(mine[-1], "absorb")]
+    else:
+        below = [n for n in mine if n < cross]
+        ends = ([(below[-1], "absorb")] if below else []) + [
+            (min(n for n in mine if n >= cross), "materialize")
+        ]
+    for n, want in ends:
+        cell = Cell(opts.batch, cached, n)
+        x = ctx.inputs(cell)
+        with torch.inference_mode():
+            steps = [BACKENDS[name].prepare(ctx, cell, x) for name in (ABSORB, MATERIALIZE)]
+            a, m = time_interleaved(steps, ctx.device, opts.timing)
+        got = "absorb" if a.ms_median < m.ms_median else "materialize"
+        # a flip within the calls' own spread is a tie, not a contradiction
+        beyond = abs(m.ms_median / a.ms_median - 1) > max(a.spread, m.spread, 0.05)
+        if got != want and beyond:
+            return (
+                f"at {n} new tokens {want} was faster, re-timed in turn {got} was "
+                f"({a.ms_median:.1f} vs {m.ms_median:.1f} ms)"
+            )
+    return None
+
+
+def monotone_warnings(points, max_new: int, noise: float = 0.5) -> list[str]:
+    """The crossover barely moves with context (docs/cost-model.md): a fall beyond `noise` or a
+    jump past 3x between neighbouring contexts is named."""
+    out = []
+    for (t0, x0), (t1, x1) in zip(points, points[1:], strict=False):
+        a = float("inf") if x0 is None else x0
+        b = float("inf") if x1 is None else x1
+        if b < a * (1 - noise):
+            out.append(f"crossover falls from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
+        elif a != float("inf") and b > 3 * a:
+            out.append(f"crossover jumps from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
+    return out
+
+
+def _shown(x, max_new: int) -> str:
+    return f"> {max_new}" if x is None else f"{x:.1f}"
 
 
 def _machine(device: str):

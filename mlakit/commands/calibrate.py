@@ -86,5 +86,9 @@ def _print(profile, path: str) -> None:
     for t, x in profile.points:
         text = f"> {profile.max_new} (absorb always faster)" if x is None else f"{x:.1f}"
         print(f"  {t:>7} {text:>24}")
+    for t, why in profile.extra.get("unmeasured", {}).items():
+        print(f"  {t:>7} {'not measured':>24}  (noise: {why})")
+    for warning in profile.extra.get("warnings", []):
+        print(f"  warning: {warning}: noise, or a real change; rerun to tell")
     print(f"saved {path}")
     print("mode='auto' follows it for layers of these widths, dtype and device (mlakit.calibration.attach)")
