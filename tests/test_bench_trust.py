@@ -123,3 +123,12 @@ def test_bench_help_defaults_match_the_grid():
 
 def test_stats_spread_zero_for_one_call():
     assert Stats(1.0, 1.0, 1.0, 1).spread == 0.0
+
+
+@pytest.mark.parametrize(
+    ("value", "label"), [(1, "1"), (16, "16"), (1024, "1K"), (4096, "4K"), (1 << 20, "1M"), (1536, "1536")]
+)
+def test_plot_ticks_read_as_tokens(value, label):
+    from mlakit.bench.plots import token_label
+
+    assert token_label(value) == label

@@ -36,7 +36,9 @@ def start_view(bench: dict | None) -> dict:
     start = dict(START)
     if not bench or not bench.get("rows"):
         return start
-    rows = [r for r in bench["rows"] if r["backend"] in ("mlakit-absorb", "mlakit-materialize")] or bench["rows"]
+    rows = [r for r in bench["rows"] if r["backend"] in ("mlakit-absorb", "mlakit-materialize")] or bench[
+        "rows"
+    ]
     if bench.get("model") in PRESETS:
         start["model"] = bench["model"]
     start["context"] = max(1, max(r["cached"] for r in rows))
