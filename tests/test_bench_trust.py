@@ -132,3 +132,33 @@ def test_plot_ticks_read_as_tokens(value, label):
     from mlakit.bench.plots import token_label
 
     assert token_label(value) == label
+
+
+def test_cost_local_predicts_at_the_rate_mlakit_runs(monkeypatch, capsys):
+    import json
+
+    import torch
+
+    import mlakit.profile as prof
+    from mlakit.cli import main
+    from mlakit.cost import MachineProfile
+    from mlakit.ops.common import compute_dtype
+
+    native = MachineProfile("local-cpu", {"fp32": 8.9e10, "bf16": 6.2e8}, 1.6e10)
+    monkeypatch.setattr(prof, "local_profile", lambda device="cpu", refresh=False: native)
+    assert main(["cost", "--context", "1K", "--new", "128", "--machine", "local", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    native_bf16 = compute_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    want = native.peak_flops["bf16" if native_bf16 else "fp32"]
+    assert r["machine"]["peak_flops"]["bf16"] == want
+    assert r["totals"]["materialize"]["time_s"] < 10  # not minutes at 0.62 GFLOP/s
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(220.0, "220 s"), (1.25, "1.25 s"), (0.00123, "1.23 ms"), (4.5e-6, "4.5 µs"), (3e-9, "3 ns")],
+)
+def test_times_print_in_fitting_units(seconds, text):
+    from mlakit.cost import format_seconds
+
+    assert format_seconds(seconds) == text
