@@ -9,7 +9,8 @@ Then it checks itself: both ends of the bracket are timed twice more, the two pa
 turn. Where both re-timings contradict the first, the first was the outlier and the re-timed figures
 replace it; where the two re-timings contradict each other, the context is noise, not a crossover,
 and is left out of the profile (named in `extra["unmeasured"]`). Crossovers that fall with context by
-more than the noise allows, or jump, are named in `extra["warnings"]`. With no context left, calibrate refuses to save a profile.
+more than the noise allows, or jump, are named in `extra["warnings"]`. With no context left,
+calibrate refuses to save a profile.
 """
 
 from __future__ import annotations
