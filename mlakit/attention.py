@@ -1,4 +1,4 @@
-"""MLAAttention: projections → cache write → choose a path → attention over the latent → o_proj."""
+"""MLAAttention: projections → cache write at the plan's rows → the plan's path over the latent → o_proj."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mlakit.cache.checks import int_list
 from mlakit.cache.contiguous import LatentCache, Slots
-from mlakit.cache.paged import PagedLatentCache
+from mlakit.cache.paged import PagedLatentCache, rows_reader
+from mlakit.cache.plan import RowGroup, StepPlan, local_plan
 from mlakit.config import MLAConfig
-from mlakit.dispatch import check_mode, choose
+from mlakit.dispatch import check_mode
 from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
@@ -53,13 +55,18 @@ def project_unrotated(
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention with transformers' parameter names.
 
-    `forward(hidden_states [B,S,D], cache=None, *, mode="auto", slots=None, new_tokens=None) -> [B,S,D]`,
-    `cache` a `LatentCache` or a `PagedLatentCache`.
+    `forward(hidden_states [B,S,D], plan) -> [B,S,D]` runs one layer of a planned step (see
+    `mlakit.cache.plan`); `forward(hidden_states, cache=None, *, mode="auto", slots=None,
+    new_tokens=None)` plans, runs and commits one step of this layer alone. `cache` is a
+    `LatentCache` or a `PagedLatentCache`; the layer reads and writes its layer `layer_idx`.
     """
 
-    def __init__(self, cfg: MLAConfig, *, device=None, dtype=None):
+    def __init__(self, cfg: MLAConfig, *, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an integer >= 0, got {layer_idx!r}")
         self.cfg = cfg
+        self.layer_idx = layer_idx
         f = {"device": device, "dtype": dtype}
         h, bias = cfg.num_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
@@ -81,9 +88,6 @@ class MLAAttention(nn.Module):
         self.last_row_modes: list[str] = []
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
-        self.register_buffer("w_uk", None, persistent=False)
-        self.register_buffer("w_uv", None, persistent=False)
-        self._derived_key: tuple | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,33 +98,40 @@ class MLAAttention(nn.Module):
         return self.kv_b_proj.weight.device
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [H,dn,L], w_uv [H,dv,L]) from kv_b_proj, contiguous, in the dtype matmuls run in
-        (fp32 for bf16 weights on a CPU without native bf16 GEMMs); cached while the weight is unchanged."""
+        """(w_uk [H,dn,L], w_uv [H,dv,L]) of kv_b_proj in the dtype matmuls run in.
+
+        Views of the weight when that is its own dtype; otherwise (bf16 weights on a CPU without
+        native bf16 GEMMs) converted anew on every call. Nothing derived is kept, so nothing can go
+        stale: a `.data` write, `load_state_dict` or a model built under `torch.inference_mode()`
+        are all seen at once, and the function traces into a graph (docs/mla.md has the cost).
+        """
         cfg = self.cfg
         w = self.kv_b_proj.weight
         per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        if torch.is_grad_enabled() and w.requires_grad:
-            return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if key != self._derived_key or self.w_uk is None:
-            cd = compute_dtype(w.dtype, w.device)
-            with torch.no_grad():
-                self.w_uk = per_head[:, : cfg.qk_nope_head_dim].to(cd).contiguous()
-                self.w_uv = per_head[:, cfg.qk_nope_head_dim :].to(cd).contiguous()
-            self._derived_key = key
-        return self.w_uk, self.w_uv
+        cd = compute_dtype(w.dtype, w.device)
+        if cd != w.dtype:
+            per_head = per_head.to(cd)
+        return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        cache: LatentCache | PagedLatentCache | None = None,
+        cache: StepPlan | LatentCache | PagedLatentCache | None = None,
         *,
         mode: str = "auto",
         slots: Slots = None,
         new_tokens: torch.Tensor | Sequence[int] | None = None,
+        check_finite: bool = False,
     ) -> torch.Tensor:
         """`new_tokens` [B] (optional) makes a ragged batch: row b brings its first new_tokens[b]
-        positions of `hidden_states` (the rest is padding, never read; its output is zero)."""
+        positions of `hidden_states` (the rest is padding, never read; its output is zero).
+        `check_finite=True` refuses NaN/inf at real positions (ValueError, cache unchanged; a host sync)."""
+        if isinstance(cache, StepPlan):
+            if mode != "auto" or slots is not None or new_tokens is not None:
+                raise ValueError(
+                    "mode, slots and new_tokens belong to the plan: pass them to cache.plan(...)"
+                )
+            return self.run(hidden_states, cache, check_finite=check_finite)
         check_mode(mode)
         self._check_hidden(hidden_states)
         batch, new, _ = hidden_states.shape
@@ -128,85 +139,113 @@ class MLAAttention(nn.Module):
         if cache is None:
             if slots is not None:
                 raise ValueError("slots were given without a cache")
-            slot_ids, start = None, torch.zeros(batch, dtype=torch.long)
+            plan = local_plan(
+                self.cfg,
+                self.rope,
+                counts or [new] * batch,
+                counts is None,
+                new,
+                mode,
+                self.profile,
+                self.device,
+            )
+            if check_finite:
+                _check_finite(hidden_states, plan)
+            out = self._compute(hidden_states, plan, None)
         else:
-            slot_ids = self._check_cache(cache, batch, new if counts is None else counts, slots)
-            start = cache.lengths[slot_ids].clone()
-        positions = (start[:, None] + torch.arange(new)).to(hidden_states.device)  # [B, S]
-        q_nope, q_pe, c_kv, k_pe = self.project(hidden_states, positions)
-        if counts is not None:
-            out = self._ragged(mode, q_nope, q_pe, c_kv, k_pe, start, counts, cache, slot_ids)
-            return self.o_proj(out.reshape(batch, new, -1)) * _valid(counts, new, out.device)[..., None]
-        kv_lens = start + new
-        run = choose(self.cfg, new, start.tolist(), profile=self.profile) if mode == "auto" else mode
-        if cache is None:
-            out, _ = self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
-        else:
-            cache._write(c_kv, k_pe, slot_ids)
-            out, _ = self.attend_cache(run, q_nope, q_pe, cache, slot_ids, kv_lens)
-        self.last_mode = run
-        self.last_row_modes = [run] * batch
-        return self.o_proj(out.reshape(batch, new, -1))
-
-    def _ragged(self, mode, q_nope, q_pe, c_kv, k_pe, start, counts, cache, slot_ids):
-        """Rows of different new-token counts: write each row's tokens, then run each group of rows
-        on the path "auto" picks for it (or `mode`). Returns out [B,S,H,dv], zero past each count."""
-        batch, new = q_nope.shape[:2]
-        kv_lens = start + counts
-        if cache is None:
-            # padding stays out of the context (its latent may be anything, even NaN)
-            keep = _valid(counts, new, c_kv.device)[..., None]
-            c_kv, k_pe = c_kv.where(keep, 0), k_pe.where(keep, 0)
-        else:
-            for n in counts.unique().tolist():
-                rows = torch.nonzero(counts == n).flatten()
-                dev_rows = rows.to(c_kv.device)
-                cache._write(c_kv[dev_rows, :n], k_pe[dev_rows, :n], slot_ids[rows])
-        runs = [
-            mode if mode != "auto" else choose(self.cfg, c, s, profile=self.profile)
-            for c, s in zip(counts.tolist(), start.tolist(), strict=True)
-        ]
-        out = q_nope.new_zeros(batch, new, q_nope.shape[2], self.cfg.v_head_dim)
-        for run in sorted(set(runs)):
-            rows = torch.tensor([b for b in range(batch) if runs[b] == run])
-            self._attend_rows(run, rows, out, q_nope, q_pe, c_kv, k_pe, kv_lens, counts, cache, slot_ids)
-        self.last_mode = runs[0] if len(set(runs)) == 1 else "mixed"
-        self.last_row_modes = runs
+            self._check_cache(cache)
+            if check_finite:
+                _check_finite(hidden_states, None if counts is None else _valid(counts, new, self.device))
+            plan = cache.plan(
+                new if counts is None else counts,
+                slots,
+                mode=mode,
+                profile=self.profile,
+                seq_len=new,
+                batch=batch,
+            )
+            try:
+                out = self._compute(hidden_states, plan, self.layer_idx)
+            except BaseException:
+                cache.discard(plan)
+                raise
+            cache.commit(plan)
+        self.last_mode = plan.mode
+        self.last_row_modes = list(plan.row_modes)
         return out
 
-    def _attend_rows(self, run, rows, out, q_nope, q_pe, c_kv, k_pe, kv_lens, counts, cache, slot_ids):
-        """One path over some rows: each row's queries are moved to the end of a window of the group's
-        largest count (the ops' queries are the last tokens of each context), then moved back to `out`."""
-        lens, n = kv_lens[rows], counts[rows]
-        width = int(n.max())
-        # query i of the window is row token i - (width - n): the first ones repeat token 0 (discarded)
-        src = (torch.arange(width)[None, :] - (width - n)[:, None]).clamp_min(0)  # [R, width]
-        dev_rows, dev_src = rows.to(q_nope.device), src.to(q_nope.device)
-        q_n = q_nope[dev_rows[:, None], dev_src]  # [R, width, H, dn]
-        q_p = q_pe[dev_rows[:, None], dev_src]
-        if cache is None:
-            top = int(lens.max())
-            o, _ = self.attend(run, q_n, q_p, c_kv[dev_rows, :top], k_pe[dev_rows, :top], lens)
+    def run(self, hidden_states: torch.Tensor, plan: StepPlan, *, check_finite: bool = False) -> torch.Tensor:
+        """One layer of a planned step: checks (host facts only), then `_compute`."""
+        plan.check_open()
+        self._check_hidden(hidden_states)
+        if tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
+            raise ValueError(
+                f"hidden_states has shape {tuple(hidden_states.shape)}, the plan is for "
+                f"[{plan.batch}, {plan.seq_len}, {self.cfg.hidden_size}]"
+            )
+        self._check_cache(plan.cache)
+        if plan.rope_key != self.rope.key:
+            raise ValueError("the plan's rope tables differ from the layer's (another rope config)")
+        if check_finite:
+            _check_finite(hidden_states, plan.valid)
+        return self._compute(hidden_states, plan, self.layer_idx)
+
+    def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int | None) -> torch.Tensor:
+        """Projections, rope, cache write, the plan's paths, o_proj; nothing read back to the host."""
+        batch, new, _ = hidden_states.shape
+        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states)
+        q_pe = self.rope.apply(q_pe, plan.cos[:, :, None], plan.sin[:, :, None])
+        k_pe = self.rope.apply(k_pe, plan.cos, plan.sin)
+        if plan.cache is None:
+            # padding stays out of the context (its latent may be anything, even NaN)
+            keep = plan.valid[..., None]
+            local = (c_kv.where(keep, 0), k_pe.where(keep, 0))
         else:
-            o, _ = self.attend_cache(run, q_n, q_p, cache, slot_ids[rows], lens)  # [R, width, H, dv]
-        for j, (row, count) in enumerate(zip(rows.tolist(), n.tolist(), strict=True)):
-            out[row, :count] = o[j, width - count :]
+            plan.cache.write(plan, layer, c_kv, k_pe)
+            local = None
+        if plan.ragged:
+            q_nope, q_pe = _take(q_nope, plan.q_index), _take(q_pe, plan.q_index)
+        out = self._attend_groups(plan, layer, q_nope, q_pe, local)  # [B, S, H, dv]
+        if plan.ragged:
+            out = _take(out, plan.o_index)
+        out = self.o_proj(out.reshape(batch, new, -1))
+        if plan.ragged:
+            out = out.where(plan.valid[..., None], 0)
+        return out
 
-    def attend_cache(self, run, q_nope, q_pe, cache, slots, kv_lens):
-        """Run one path over the cached context of `slots`. Absorb reads a paged cache's pages chunk by
-        chunk (no gather of the whole context); otherwise the context is the cache's view."""
-        if run == "absorb" and isinstance(cache, PagedLatentCache):
-            w_uk, w_uv = self.up_weights()
-            read = cache.reader(slots, int(kv_lens.max()))
-            return absorb_chunked(q_nope, q_pe, read, kv_lens, w_uk, w_uv, self.scale)
-        c_kv, k_pe = cache.view(slots, int(kv_lens.max()))
-        return self.attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+    def _attend_groups(self, plan, layer, q_nope, q_pe, local) -> torch.Tensor:
+        if len(plan.groups) == 1:
+            return self._attend_group(plan, plan.groups[0], layer, q_nope, q_pe, local)
+        out = q_nope.new_zeros(*q_nope.shape[:3], self.cfg.v_head_dim)
+        for g in plan.groups:
+            o = self._attend_group(plan, g, layer, q_nope[g.rows], q_pe[g.rows], local)
+            out = out.index_copy(0, g.rows, o)
+        return out
 
-    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens):
-        """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None)."""
+    def _attend_group(self, plan, g: RowGroup, layer, q_nope, q_pe, local) -> torch.Tensor:
+        """One path over one row group's context (a view, a gather or pages read chunk by chunk)."""
+        cache = plan.cache
+        if isinstance(cache, PagedLatentCache):
+            if g.path == "absorb":
+                read = rows_reader(cache, layer, g.read_rows)
+                w_uk, w_uv = self.up_weights()
+                out, _ = absorb_chunked(
+                    q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len
+                )
+                return out
+            c_kv, k_pe = cache.gather(layer, g.read_rows)
+        elif cache is None:
+            c_kv, k_pe = local if g.rows is None else (local[0][g.rows], local[1][g.rows])
+        else:
+            c_kv, k_pe = cache.context(layer, g, g.key_len)
+        return self.attend(g.path, q_nope, q_pe, c_kv, k_pe, g.kv_lens, g.key_len)[0]
+
+    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys=None):
+        """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None). `max_keys`: a
+        plan's bucket (exactly that many keys, masked past kv_lens)."""
         w_uk, w_uv = self.up_weights()
         if run == "absorb":
-            return absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale)
+            return absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale, max_keys=max_keys)
         return materialize(
             q_nope,
             q_pe,
@@ -218,6 +257,7 @@ class MLAAttention(nn.Module):
             self.scale,
             workspace_tokens=self.workspace_tokens,
             need_lse=False,
+            max_keys=max_keys,
         )
 
     def project(
@@ -245,24 +285,42 @@ class MLAAttention(nn.Module):
         if x.device != self.device:
             raise ValueError(f"hidden_states is on {x.device}, layer is on {self.device}")
 
-    def _check_counts(self, new_tokens, batch: int, new: int) -> torch.Tensor | None:
-        """Per-row new-token counts as a CPU LongTensor [B], or None when every row brings all S tokens."""
+    def _check_counts(self, new_tokens, batch: int, new: int) -> list[int] | None:
+        """Per-row new-token counts, or None when every row brings all S tokens."""
         if new_tokens is None:
             return None
-        counts = torch.as_tensor(new_tokens).to("cpu")
-        if counts.dtype.is_floating_point or counts.dtype == torch.bool or tuple(counts.shape) != (batch,):
+        if (
+            isinstance(new_tokens, torch.Tensor)
+            and new_tokens.device.type != "meta"
+            and (
+                new_tokens.dtype.is_floating_point
+                or new_tokens.dtype.is_complex
+                or new_tokens.dtype == torch.bool
+                or new_tokens.dim() != 1
+            )
+        ):
+            shape = tuple(new_tokens.shape)
+            raise ValueError(
+                f"new_tokens must be {batch} integers (one per row), got {new_tokens.dtype} of shape {shape}"
+            )
+        try:
+            counts = int_list(new_tokens, "new_tokens")
+        except ValueError as err:
+            raise ValueError(f"new_tokens must be {batch} integers (one per row): {err}") from None
+        if len(counts) != batch:
             raise ValueError(
                 f"new_tokens must be {batch} integers (one per row), "
-                f"got {counts.dtype} of shape {tuple(counts.shape)}"
+                f"got torch.int64 of shape ({len(counts)},)"
             )
-        counts = counts.long()
-        if bool(((counts < 1) | (counts > new)).any()):
-            raise ValueError(
-                f"new_tokens {counts.tolist()} outside 1..{new} (the padded width of hidden_states)"
-            )
-        return None if bool((counts == new).all()) else counts
+        if any(not 1 <= c <= new for c in counts):
+            raise ValueError(f"new_tokens {counts} outside 1..{new} (the padded width of hidden_states)")
+        return None if all(c == new for c in counts) else counts
 
-    def _check_cache(self, cache, batch: int, new: int | torch.Tensor, slots: Slots) -> torch.Tensor:
+    def _check_cache(self, cache) -> None:
+        if not isinstance(cache, (LatentCache, PagedLatentCache)):
+            raise ValueError(
+                f"cache must be a LatentCache, a PagedLatentCache or a StepPlan, got {type(cache).__name__}"
+            )
         if cache.cfg.latent_dim != self.cfg.latent_dim or cache.cfg.kv_lora_rank != self.cfg.kv_lora_rank:
             raise ValueError(
                 f"cache holds latents of width {cache.cfg.kv_lora_rank}+{cache.cfg.qk_rope_head_dim}, "
@@ -272,12 +330,31 @@ class MLAAttention(nn.Module):
             raise ValueError(f"cache holds dtype {cache.dtype}, layer computes in {self.dtype}")
         if cache.device != self.device:
             raise ValueError(f"cache is on {cache.device}, layer is on {self.device}")
-        cache.check_lengths()
-        slot_ids = cache.resolve_slots(slots, batch)
-        cache.check_append(new, slot_ids)
-        return slot_ids
+        if self.layer_idx >= cache.num_layers:
+            raise ValueError(
+                f"layer_idx {self.layer_idx} out of range: the cache holds {cache.num_layers} layers"
+            )
 
 
-def _valid(counts: torch.Tensor, new: int, device) -> torch.Tensor:
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, S, ...] → x[b, index[b, i]] [B, S, ...]: a gather along the token axis."""
+    idx = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx)
+
+
+def _check_finite(x: torch.Tensor, valid) -> None:
+    """Refuse NaN/inf at real positions (`valid` [B,S] bool or a plan; None: every position)."""
+    valid = getattr(valid, "valid", valid)
+    finite = torch.isfinite(x).all(dim=-1)  # [B, S]
+    if valid is not None:
+        finite = finite | ~valid
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().tolist()
+        raise ValueError(
+            f"hidden_states holds NaN or inf at (row, token) {bad[:8]}; check_finite=True refuses them"
+        )
+
+
+def _valid(counts: list[int], new: int, device) -> torch.Tensor:
     """Bool [B, S]: position i of row b is one of its new tokens."""
-    return (torch.arange(new)[None, :] < counts[:, None]).to(device)
+    return (torch.arange(new)[None, :] < torch.tensor(counts)[:, None]).to(device)

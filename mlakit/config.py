@@ -8,16 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-_YARN_KEYS = (
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-    "attention_factor",
-    "truncate",
-)
+from mlakit import config_checks as checks
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -47,19 +38,20 @@ class MLAConfig:
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_layers"):
-            _check_positive_int(f, getattr(self, f))
-        _check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"qk_rope_head_dim must be even (pairs are rotated), got {self.qk_rope_head_dim}"
-            )
-        if self.q_lora_rank is not None:
-            _check_positive_int("q_lora_rank", self.q_lora_rank)
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+            setattr(self, f, checks.positive_int(f, getattr(self, f)))
+        self.qk_rope_head_dim = checks.even(
+            "qk_rope_head_dim", checks.positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
+        )
+        self.q_lora_rank = checks.optional_positive_int("q_lora_rank", self.q_lora_rank)
+        self.rope_theta = checks.number("rope_theta", self.rope_theta, above=0)
+        self.rms_norm_eps = checks.number("rms_norm_eps", self.rms_norm_eps, above=0)
+        self.rope_interleave = checks.boolean("rope_interleave", self.rope_interleave)
+        self.attention_bias = checks.boolean("attention_bias", self.attention_bias)
+        self.max_position_embeddings = checks.positive_int(
+            "max_position_embeddings", self.max_position_embeddings
+        )
+        self.name = checks.text("name", self.name)
+        self.rope_scaling = checks.rope_scaling(self.rope_scaling, self.rope_theta)
 
     @property
     def qk_head_dim(self) -> int:
@@ -95,14 +87,19 @@ class MLAConfig:
     @classmethod
     def preset(cls, name: str) -> MLAConfig:
         """A published model's attention widths: see `PRESETS`."""
-        key = name.lower()
+        key = name.lower() if isinstance(name, str) else None
         if key not in PRESETS:
             raise ValueError(f"preset {name!r} is unknown; expected one of {sorted(PRESETS)}")
         return cls(name=key, **PRESETS[key])
 
     @classmethod
     def from_hf(cls, source: Any) -> MLAConfig:
-        """From a transformers config object, a dict, a config.json path or a model folder."""
+        """From a transformers config object, a dict, a config.json path or a model folder.
+
+        Every field is checked as the constructor checks it (ValueError naming the key): booleans must
+        be JSON true/false (the strings "true"/"false" and 0/1 are refused, never coerced), widths
+        integers, and a config.json that is not a JSON object is refused with the file named.
+        """
         from mlakit.hf.config import config_dict_to_kwargs, load_config_dict
 
         d = load_config_dict(source)
@@ -113,6 +110,12 @@ class MLAConfig:
         """A preset name, a config.json path or a model folder (what `--model` takes)."""
         if isinstance(model, MLAConfig):
             return model
+        if not isinstance(model, str | os.PathLike):
+            raise ValueError(
+                f"model must be a preset name, a config.json path or a model folder, got {model!r} "
+                f"({type(model).__name__})"
+            )
+        model = os.fspath(model)
         if model.lower() in PRESETS:
             return cls.preset(model)
         if os.path.exists(model):
@@ -121,31 +124,6 @@ class MLAConfig:
             f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
             "nor an existing config.json or model folder"
         )
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    if scaling is None:
-        return None
-    if not isinstance(scaling, dict):
-        raise ValueError(f"rope_scaling must be a dict or None, got {type(scaling).__name__}")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; mlakit supports 'default' and 'yarn'")
-    factor = scaling.get("factor")
-    if factor is None or not float(factor) > 0:
-        raise ValueError(f"rope_scaling['factor'] must be > 0 for yarn, got {factor!r}")
-    if scaling.get("original_max_position_embeddings") is None:
-        raise ValueError("rope_scaling['original_max_position_embeddings'] is required for yarn")
-    out = {"rope_type": "yarn"}
-    out.update({k: scaling[k] for k in _YARN_KEYS if scaling.get(k) is not None})
-    return out
 
 
 def _yarn(factor: float, original: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32) -> dict:

@@ -70,11 +70,20 @@ class RotaryTable:
         self.inv_freq = inv_freq(cfg)
         self.factor = attention_factor(cfg)
         self.interleave = cfg.rope_interleave
+        # what cos/sin depend on: two tables with equal keys give equal cos/sin
+        self.key = (tuple(self.inv_freq.tolist()), self.factor)
+        self._on_device: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The frequencies on `device`, copied there once."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] → cos, sin [..., dr/2] in fp32."""
-        inv = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[..., None] * inv
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq_on(positions.device)
         return angles.cos() * self.factor, angles.sin() * self.factor
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

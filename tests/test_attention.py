@@ -291,8 +291,9 @@ def test_absorb_decode_builds_no_per_head_keys_or_values():
                 layer(randn(1, 1, 64, seed=33), cache, mode=mode)
         largest[mode] = probe.numel
     print(f"largest tensor of one decode step: {largest}, per-head K/V {per_head}")
-    # absorb's largest tensor is the cache itself (written in place); materialize's is per-head K
-    assert largest["absorb"] <= (cached + 1) * cfg.kv_lora_rank < per_head // 2
+    # absorb's largest tensor is the cache itself (written in place, with its spare row for padding);
+    # materialize's is per-head K
+    assert largest["absorb"] <= (cached + 2) * cfg.kv_lora_rank < per_head // 2
     assert largest["materialize"] >= per_head
 
 

@@ -46,9 +46,8 @@ class Backend:
 
 def _latent_cache(ctx: BenchContext, cell: Cell, x: CellInputs) -> LatentCache:
     cache = LatentCache(ctx.cfg, cell.batch, cell.cached + cell.new, dtype=ctx.dtype, device=ctx.device)
-    cache.c_kv[:, : cell.cached] = x.c_kv
-    cache.k_pe[:, : cell.cached] = x.k_pe
-    cache.lengths.fill_(cell.cached)
+    if cell.cached:
+        cache.append(x.c_kv, x.k_pe)
     return cache
 
 

@@ -29,9 +29,9 @@ class BenchLayer(MLAAttention):
         finally:
             self.op = None
 
-    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens):
+    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys=None):
         if self.op is None:
-            return super().attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens)
+            return super().attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys)
         w_uk, w_uv = self.up_weights()
         return self.op(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale)
 

@@ -6,17 +6,22 @@ from collections.abc import Sequence
 
 import torch
 
+from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
+from mlakit.cache.plan import StepPlan, key_bucket
+from mlakit.cache.step import StepCache, row_counts  # noqa: F401  (re-exported)
 from mlakit.config import MLAConfig
 
 Slots = torch.Tensor | Sequence[int] | None
 
 
-class LatentCache:
-    """Contiguous slots of `max_seq_len` tokens: `c_kv [batch, max_seq_len, L]`, `k_pe [.., dr]`.
+class LatentCache(StepCache):
+    """Contiguous slots of `max_seq_len` tokens for each of `num_layers` layers.
 
-    The latent and the rope key are kept in two tensors so that both score matmuls and the value-side
-    matmul of absorb read rows with unit stride. `lengths` (a CPU LongTensor) counts the tokens of each
-    slot; lowering it drops the newest tokens (what a rejected speculative draft does).
+    Layer l's latents are `layer_view(l)` = (c_kv [batch, max_seq_len, L], k_pe [.., dr]); `c_kv` and
+    `k_pe` are layer 0's. The latent and the rope key are kept in two tensors so that both score
+    matmuls and the value-side matmul of absorb read rows with unit stride. `lengths` (a CPU
+    LongTensor, shared by every layer) counts the tokens of each slot; lowering it drops the newest
+    tokens (what a rejected speculative draft does); raising it past the tokens written is refused.
     """
 
     def __init__(
@@ -25,130 +30,149 @@ class LatentCache:
         batch_size: int,
         max_seq_len: int,
         *,
+        num_layers: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_seq_len", max_seq_len),
+            ("num_layers", num_layers),
+        ):
+            check_positive(name, value)
+        per_layer = batch_size * max_seq_len + 1
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        check_allocation(
+            f"LatentCache of {num_layers} layers x {batch_size} slots x {max_seq_len} tokens",
+            num_layers * per_layer * cfg.latent_dim * itemsize + 16 * batch_size,
+            device,
+        )
         self.cfg = cfg
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        self.c_kv = torch.zeros(batch_size, max_seq_len, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.k_pe = torch.zeros(batch_size, max_seq_len, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        # per layer: every slot's rows, then one spare row where padding of ragged rows is written
+        self._c_rows = torch.zeros(num_layers, per_layer, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self._k_rows = torch.zeros(num_layers, per_layer, cfg.qk_rope_head_dim, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.written = [0] * batch_size  # tokens written per slot: lengths may only be lowered below it
+        self._init_step(cfg, device)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.c_kv.dtype
+        return self._c_rows.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.c_kv.device
+        return self._c_rows.device
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes stored per token per layer."""
-        return self.cfg.latent_dim * self.c_kv.element_size()
+        return self.cfg.latent_dim * self._c_rows.element_size()
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [batch, max_seq_len, L], k_pe [batch, max_seq_len, dr]) of one layer: views."""
+        shape = (self.batch_size, self.max_seq_len)
+        return self._c_rows[layer, :-1].view(*shape, -1), self._k_rows[layer, :-1].view(*shape, -1)
+
+    @property
+    def c_kv(self) -> torch.Tensor:
+        return self.layer_view(0)[0]
+
+    @property
+    def k_pe(self) -> torch.Tensor:
+        return self.layer_view(0)[1]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (tests compare them bit for bit)."""
+        return [self._c_rows, self._k_rows, self.lengths]
 
     def resolve_slots(self, slots: Slots, rows: int) -> torch.Tensor:
         """Check `slots` for `rows` batch rows (default: row b → slot b); a CPU LongTensor [rows]."""
-        if slots is None:
-            if rows > self.batch_size:
-                raise ValueError(f"batch of {rows} rows without slots, but the cache has {self.batch_size}")
-            return torch.arange(rows)
-        s = torch.as_tensor(slots).to("cpu").reshape(-1)
-        if s.dtype.is_floating_point or s.dtype == torch.bool:
-            raise ValueError(f"slots must be integers, got dtype {s.dtype}")
-        s = s.long()
-        if s.numel() != rows:
-            raise ValueError(f"slots has {s.numel()} entries, expected one per batch row ({rows})")
-        if s.numel() and (s.min() < 0 or s.max() >= self.batch_size):
-            raise ValueError(f"slots {s.tolist()} out of range, expected 0..{self.batch_size - 1}")
-        if torch.unique(s).numel() != s.numel():
-            raise ValueError(f"slots {s.tolist()} has duplicates; each row needs its own slot")
-        return s
+        return torch.tensor(check_slots(slots, rows, self.batch_size), dtype=torch.long)
+
+    def check_lengths(self) -> None:
+        """Validate `lengths` (0..max_seq_len, never past the tokens written), then forget the tokens
+        past them: once lowered, a length cannot be raised again over the dropped tokens."""
+        lengths = self.lengths.tolist()
+        if any(not 0 <= n <= self.max_seq_len for n in lengths):
+            raise ValueError(f"cache lengths {lengths} outside 0..{self.max_seq_len}")
+        if any(n > w for n, w in zip(lengths, self.written, strict=True)):
+            raise ValueError(
+                f"cache lengths {lengths} outside 0..tokens written {self.written}; "
+                "lengths can only be lowered"
+            )
+        self.written = [min(n, w) for n, w in zip(lengths, self.written, strict=True)]
 
     def check_append(self, new_tokens: int | torch.Tensor, slots: torch.Tensor) -> None:
         """Raise before any write if `new_tokens` (one count or one per row) do not fit in `slots`."""
-        counts = row_counts(new_tokens, slots.numel())
-        after = self.lengths[slots] + counts
-        over = after > self.max_seq_len
-        if bool(over.any()):
-            bad = slots[over].tolist()
-            shown = new_tokens if isinstance(new_tokens, int) else counts[over].tolist()
+        single = isinstance(new_tokens, int)
+        counts = (
+            [new_tokens] * slots.numel() if single else [int(c) for c in torch.as_tensor(new_tokens).tolist()]
+        )
+        lengths = [int(self.lengths[s]) for s in slots.tolist()]
+        over = [i for i, (n, c) in enumerate(zip(lengths, counts, strict=True)) if n + c > self.max_seq_len]
+        if over:
+            bad = [int(slots[i]) for i in over]
+            shown = new_tokens if single else [counts[i] for i in over]
             raise ValueError(
                 f"appending {shown} tokens overflows slots {bad}: lengths "
-                f"{self.lengths[slots][over].tolist()} + {shown} > max_seq_len {self.max_seq_len}"
+                f"{[lengths[i] for i in over]} + {shown} > max_seq_len {self.max_seq_len}"
             )
 
-    def check_lengths(self) -> None:
-        if bool((self.lengths < 0).any()) or bool((self.lengths > self.max_seq_len).any()):
-            raise ValueError(f"cache lengths {self.lengths.tolist()} outside 0..{self.max_seq_len}")
+    def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
+        """Rows [B, S] of the step's tokens (padding: the spare row); records them as written."""
+        spare = self.batch_size * self.max_seq_len
+        rows = []
+        for slot, n in zip(slots, counts, strict=True):
+            start = int(self.lengths[slot])
+            real = [slot * self.max_seq_len + start + i for i in range(n)]
+            rows.append(real + [spare] * (seq_len - n))
+            self.written[slot] = start + n
+        return torch.tensor(rows, dtype=torch.long)
 
-    def append(self, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: Slots = None) -> torch.Tensor:
-        """Write normalized latents [B,S,L] and rotated rope keys [B,S,dr]; returns the slots used."""
-        cfg = self.cfg
-        if c_kv.dim() != 3 or k_pe.dim() != 3:
-            raise ValueError(
-                f"c_kv and k_pe must be [B,S,width], got {tuple(c_kv.shape)} and {tuple(k_pe.shape)}"
-            )
-        b, s, width = c_kv.shape
-        if width != cfg.kv_lora_rank:
-            raise ValueError(f"c_kv has width {width}, cache expects kv_lora_rank {cfg.kv_lora_rank}")
-        if tuple(k_pe.shape) != (b, s, cfg.qk_rope_head_dim):
-            raise ValueError(f"k_pe has shape {tuple(k_pe.shape)}, expected {(b, s, cfg.qk_rope_head_dim)}")
-        for name, t in (("c_kv", c_kv), ("k_pe", k_pe)):
-            if t.dtype != self.dtype:
-                raise ValueError(f"{name} has dtype {t.dtype}, cache holds {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, cache is on {self.device}")
-        self.check_lengths()
-        slot_ids = self.resolve_slots(slots, b)
-        self.check_append(s, slot_ids)
-        self._write(c_kv, k_pe, slot_ids)
-        return slot_ids
+    def _rows_of(self, slots: torch.Tensor):
+        def rows_of(rows: torch.Tensor, key_len: int):
+            s = slots[rows]
+            first = int(s[0])
+            consecutive = s.tolist() == list(range(first, first + s.numel()))
+            return s.to(self.device), first if consecutive else None, None
 
-    def _write(self, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
-        s = c_kv.shape[1]
-        start = self.lengths[slots]
-        pos = (start[:, None] + torch.arange(s)).to(self.device)  # [B, S]
-        rows = slots.to(self.device)[:, None].expand_as(pos)
+        return rows_of
+
+    def _bucket(self, keys: int) -> int:
+        return key_bucket(keys, cap=self.max_seq_len)
+
+    def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
+        rows = plan.write_rows.reshape(-1)
         with torch.no_grad():
-            self.c_kv[rows, pos] = c_kv.detach()
-            self.k_pe[rows, pos] = k_pe.detach()
-        self.lengths[slots] = start + s
+            self._c_rows[layer].index_copy_(0, rows, c_kv.detach().reshape(rows.numel(), -1))
+            self._k_rows[layer].index_copy_(0, rows, k_pe.detach().reshape(rows.numel(), -1))
+
+    def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
+        consecutive, else a gather."""
+        c_all, k_all = self.layer_view(layer)
+        if group.slot_start is not None:
+            s0, r = group.slot_start, group.kv_lens.shape[0]
+            return c_all[s0 : s0 + r, :key_len], k_all[s0 : s0 + r, :key_len]
+        return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
 
     def release(self, slot: int) -> None:
         """Empty `slot` for reuse."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.batch_size:
-            raise ValueError(f"slot {slot!r} out of range, expected 0..{self.batch_size - 1}")
+        slot = check_slot(slot, self.batch_size)
         self.lengths[slot] = 0
+        self.written[slot] = 0
 
-    def view(self, slots: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(self, slots: torch.Tensor, max_len: int, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [B, max_len, L], k_pe [B, max_len, dr]) of `slots`; no copy when slots are consecutive."""
+        c_all, k_all = self.layer_view(layer)
         first = int(slots[0])
-        consecutive = bool((slots == torch.arange(first, first + slots.numel())).all())
-        if consecutive:
-            return (
-                self.c_kv[first : first + slots.numel(), :max_len],
-                self.k_pe[first : first + slots.numel(), :max_len],
-            )
+        if slots.tolist() == list(range(first, first + slots.numel())):
+            return c_all[first : first + slots.numel(), :max_len], k_all[
+                first : first + slots.numel(), :max_len
+            ]
         idx = slots.to(self.device)
-        return self.c_kv[idx, :max_len], self.k_pe[idx, :max_len]
-
-
-def row_counts(new_tokens: int | torch.Tensor, rows: int) -> torch.Tensor:
-    """New tokens per row as a CPU LongTensor [rows], from one count for all rows or one per row (>= 1)."""
-    if isinstance(new_tokens, torch.Tensor):
-        counts = new_tokens.to("cpu", torch.long).reshape(-1)
-        if counts.numel() != rows:
-            raise ValueError(
-                f"new token counts {counts.tolist()} have {counts.numel()} entries, expected {rows}"
-            )
-    else:
-        counts = torch.full((rows,), int(new_tokens), dtype=torch.long)
-    if bool((counts <= 0).any()):
-        shown = new_tokens if isinstance(new_tokens, int) else counts.tolist()
-        raise ValueError(f"appending {shown} tokens; expected at least 1")
-    return counts
+        return c_all[idx, :max_len], k_all[idx, :max_len]

@@ -1,6 +1,6 @@
 """PagedLatentCache: the latent cache in fixed-size pages handed out by a BlockManager, optionally fp8/int8.
 
-A drop-in for `LatentCache` in `MLAAttention.forward`: same `lengths`, `append`, `release`, `view`.
+A drop-in for `LatentCache`: same `lengths`, `plan`/`commit`, `append`, `release`, `view`.
 """
 
 from __future__ import annotations
@@ -10,26 +10,29 @@ from collections.abc import Callable
 import torch
 
 from mlakit.cache.blocks import BlockManager, blocks_for
-from mlakit.cache.contiguous import LatentCache, row_counts
+from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
+from mlakit.cache.plan import StepPlan, key_bucket
 from mlakit.cache.quant import dequantize, field_view, quantize, token_layout
+from mlakit.cache.step import StepCache, row_counts
 from mlakit.config import MLAConfig
 
 # unused block-table entries: out of range for any pool, so a stray read fails loudly
 BLOCK_SENTINEL = 2**31 - 1
+# host bytes of bookkeeping per block (a free-list entry) and per slot (a table, a count, a length)
+HOST_BYTES_PER_BLOCK = 40
+HOST_BYTES_PER_SLOT = 128
 
 
-class PagedLatentCache:
-    """`pages [num_blocks, block_size, bytes_per_token]` (uint8) of token rows laid out by `mlakit.quant`.
+class PagedLatentCache(StepCache):
+    """Per layer, `num_blocks` pages of `block_size` token rows (uint8, laid out by `mlakit.quant`).
 
+    One BlockManager and one block table serve every layer: page p holds the same tokens in each
+    layer's pool (`layer_pages(l)` [num_blocks, block_size, bytes_per_token]; `pages` is layer 0's).
     `lengths` (a CPU LongTensor [max_batch]) counts the tokens of each slot. Lowering an entry drops
     the newest tokens; the whole blocks they no longer use go back to the free list at the next call
-    that reads lengths (`check_lengths`, `append`, `view`, `block_table`, `free_blocks`, ...). Raising
-    an entry past the tokens written is an error there.
+    that reads lengths (`check_lengths`, `plan`, `append`, `view`, `block_table`, `free_blocks`, ...).
+    Raising an entry past the tokens written is an error there.
     """
-
-    # the contiguous cache's slot rules and append (checks, then the methods below)
-    resolve_slots = LatentCache.resolve_slots
-    append = LatentCache.append
 
     def __init__(
         self,
@@ -38,28 +41,45 @@ class PagedLatentCache:
         block_size: int = 64,
         *,
         max_batch: int,
+        num_layers: int = 1,
         dtype: torch.dtype = torch.float32,
         quant: str | None = None,
         device: torch.device | str | None = None,
     ):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_batch", max_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.blocks = BlockManager(num_blocks, block_size, max_batch)
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_batch", max_batch),
+            ("num_layers", num_layers),
+        ):
+            check_positive(name, value)
         if num_blocks >= BLOCK_SENTINEL:
             raise ValueError(
                 f"num_blocks must be < {BLOCK_SENTINEL} (an int32 block table), got {num_blocks}"
             )
-        self.cfg = cfg
-        self.layout = token_layout(cfg, dtype, quant)
-        self._dtype = dtype
-        # one zero row past the last page: positions of a view past a slot's length read it
-        self._rows = torch.zeros(
-            num_blocks * block_size + 1, self.layout.row_bytes, dtype=torch.uint8, device=device
+        layout = token_layout(cfg, dtype, quant)
+        per_layer = num_blocks * block_size + 2
+        check_allocation(
+            f"PagedLatentCache of {num_layers} layers x {num_blocks} blocks x {block_size} tokens",
+            num_layers * per_layer * layout.row_bytes,
+            device,
         )
-        self.pages = self._rows[:-1].view(num_blocks, block_size, self.layout.row_bytes)
+        check_allocation(
+            f"PagedLatentCache bookkeeping of {num_blocks} blocks and {max_batch} slots",
+            num_blocks * HOST_BYTES_PER_BLOCK + max_batch * HOST_BYTES_PER_SLOT,
+            "cpu",
+        )
+        self.blocks = BlockManager(num_blocks, block_size, max_batch)
+        self.cfg = cfg
+        self.layout = layout
+        self.num_layers = num_layers
+        self._dtype = dtype
+        # per layer: every page's rows, a zero row (keys past a slot's length read it), a spare row
+        # (padding of ragged rows is written there)
+        self._rows = torch.zeros(num_layers, per_layer, layout.row_bytes, dtype=torch.uint8, device=device)
         self.lengths = torch.zeros(max_batch, dtype=torch.long)
         self.last_slot_mapping: torch.Tensor | None = None
+        self._init_step(cfg, device)
 
     @property
     def quant(self) -> str | None:
@@ -94,21 +114,40 @@ class PagedLatentCache:
         return self.layout.row_bytes
 
     @property
+    def zero_row(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def layer_pages(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s pool [num_blocks, block_size, bytes_per_token] (a view)."""
+        return self._rows[layer, : self.zero_row].view(self.num_blocks, self.block_size, -1)
+
+    @property
+    def pages(self) -> torch.Tensor:
+        return self.layer_pages(0)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (tests compare them bit for bit)."""
+        return [self._rows, self.lengths]
+
+    @property
     def free_blocks(self) -> int:
         self.check_lengths()
         return self.blocks.num_free
 
+    def resolve_slots(self, slots, rows: int) -> torch.Tensor:
+        """Check `slots` for `rows` batch rows (default: row b → slot b); a CPU LongTensor [rows]."""
+        return torch.tensor(check_slots(slots, rows, self.batch_size), dtype=torch.long)
+
     def check_lengths(self) -> None:
         """Validate `lengths` against the tokens written, then free the blocks of dropped tokens."""
-        written = torch.tensor(self.blocks.tokens, dtype=torch.long)
-        bad = (self.lengths < 0) | (self.lengths > written)
-        if bool(bad.any()):
+        lengths, written = self.lengths.tolist(), self.blocks.tokens
+        if any(not 0 <= n <= w for n, w in zip(lengths, written, strict=True)):
             raise ValueError(
-                f"cache lengths {self.lengths.tolist()} outside 0..tokens written {written.tolist()}; "
-                "lengths can only be lowered"
+                f"cache lengths {lengths} outside 0..tokens written {written}; lengths can only be lowered"
             )
-        for slot in torch.nonzero(self.lengths < written).flatten().tolist():
-            self.blocks.truncate(slot, int(self.lengths[slot]))
+        for slot, (n, w) in enumerate(zip(lengths, written, strict=True)):
+            if n < w:
+                self.blocks.truncate(slot, n)
 
     def check_append(self, new_tokens: int | torch.Tensor, slots: torch.Tensor) -> None:
         """Raise before any write if the free blocks cannot take `new_tokens` (one count or one per row)."""
@@ -116,29 +155,60 @@ class PagedLatentCache:
         self.check_lengths()
         self.blocks.check_append(slots.tolist(), counts.tolist())
 
-    def _write(self, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
-        """Allocate and write S tokens per row (checked by `check_append`); quantizes the latent."""
-        batch, new, _ = c_kv.shape
-        rows = [self.blocks.append(int(s), new) for s in slots.tolist()]
-        mapping = torch.tensor(rows, dtype=torch.long).view(batch, new)
-        target = mapping.reshape(-1).to(self.device)
-        lay = self.layout
-        latent = c_kv.detach().reshape(batch * new, -1)
+    def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
+        """Allocate the step's blocks; rows [B, S] of its tokens (padding: the spare row)."""
+        spare = self.zero_row + 1
+        rows = [
+            self.blocks.append(s, n) + [spare] * (seq_len - n) for s, n in zip(slots, counts, strict=True)
+        ]
+        mapping = torch.tensor(rows, dtype=torch.long)
+        self.last_slot_mapping = mapping
+        return mapping
+
+    def _bucket(self, keys: int) -> int:
+        return key_bucket(keys, multiple=self.block_size)
+
+    def _rows_of(self, slots: torch.Tensor):
+        def rows_of(rows: torch.Tensor, key_len: int):
+            read = self._read_rows(slots[rows], key_len)
+            return None, None, read.to(self.device)
+
+        return rows_of
+
+    def _read_rows(self, slots: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Row of each of the first key_len tokens of `slots` [R, key_len] as they will be after the
+        step (blocks already reserved); the zero row past the tokens written."""
+        size = self.block_size
+        t = torch.arange(key_len)
+        table = self.table(slots, blocks_for(key_len, size))
+        flat = table[:, t // size] * size + t % size  # [R, T]
+        written = torch.tensor([self.blocks.tokens[s] for s in slots.tolist()], dtype=torch.long)
+        return torch.where(t < written[:, None], flat, torch.full_like(flat, self.zero_row))
+
+    def _block_table(self, slots: torch.Tensor) -> torch.Tensor:
+        width = max(1, max(len(self.blocks.tables[s]) for s in slots.tolist()))
+        return self.table(slots, width).to(torch.int32).to(self.device)
+
+    def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Write one layer's new tokens at the plan's rows; quantizes the latent."""
+        target = plan.write_rows.reshape(-1)
+        rows, lay = self._rows[layer], self.layout
+        latent = c_kv.detach().reshape(target.numel(), -1)
         with torch.no_grad():
             if lay.quant is None:
-                field_view(self._rows, lay.latent)[target] = latent
+                field_view(rows, lay.latent).index_copy_(0, target, latent)
             else:
                 values, scale = quantize(latent, lay.quant)
-                field_view(self._rows, lay.latent)[target] = values
-                field_view(self._rows, lay.scale)[target] = scale
-            field_view(self._rows, lay.rope)[target] = k_pe.detach().reshape(batch * new, -1)
-        self.lengths[slots] += new
-        self.last_slot_mapping = mapping
+                # fp8 has no index_copy kernel: its bytes are copied as bytes
+                field_view(rows, lay.latent).view(torch.uint8).index_copy_(
+                    0, target, values.view(torch.uint8)
+                )
+                field_view(rows, lay.scale).index_copy_(0, target, scale)
+            field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
 
     def release(self, slot: int) -> None:
         """Empty `slot` for reuse and free its blocks."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.batch_size:
-            raise ValueError(f"slot {slot!r} out of range, expected 0..{self.batch_size - 1}")
+        slot = check_slot(slot, self.batch_size)
         self.check_lengths()
         self.blocks.release(slot)
         self.lengths[slot] = 0
@@ -167,7 +237,7 @@ class PagedLatentCache:
         return torch.where(t < self.lengths[slots][:, None], flat, torch.full_like(flat, -1))
 
     def reader(
-        self, slots: torch.Tensor, max_len: int
+        self, slots: torch.Tensor, max_len: int, *, layer: int = 0
     ) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """read(start, stop) -> (c_kv [B, stop-start, L], k_pe [B, stop-start, dr]): tokens start..stop-1
         of `slots` (stop <= max_len) in the compute dtype, zeros past each slot's length.
@@ -175,28 +245,33 @@ class PagedLatentCache:
         Each call gathers those tokens' rows from the pages, dequantizing fp8/int8 latents on the way.
         """
         mapping = self.slot_mapping(slots, max_len)
-        pad = self.num_blocks * self.block_size  # the zero row
-        rows = torch.where(mapping < 0, torch.full_like(mapping, pad), mapping).to(self.device)  # [B, T]
+        rows = torch.where(mapping < 0, torch.full_like(mapping, self.zero_row), mapping).to(self.device)
+        return rows_reader(self, layer, rows)
 
-        def read(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._gather(rows[:, start:stop])
-
-        return read
-
-    def view(self, slots: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(self, slots: torch.Tensor, max_len: int, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [B, max_len, L], k_pe [B, max_len, dr]) of `slots` in the compute dtype; zeros past lengths.
 
         A copy: the slots' pages gathered (and dequantized) into contiguous tensors.
         """
-        return self.reader(slots, max_len)(0, max_len)
+        return self.reader(slots, max_len, layer=layer)(0, max_len)
 
-    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [B, T] of one layer's pool → (c_kv [B, T, L], k_pe [B, T, dr]) in the compute dtype."""
         batch, tokens = rows.shape
         flat = rows.reshape(-1)
-        lay = self.layout
-        rope = field_view(self._rows, lay.rope).index_select(0, flat)
-        latent = field_view(self._rows, lay.latent).index_select(0, flat)
+        lay, pool = self.layout, self._rows[layer]
+        rope = field_view(pool, lay.rope).index_select(0, flat)
+        latent = field_view(pool, lay.latent).index_select(0, flat)
         if lay.quant is not None:
-            scale = field_view(self._rows, lay.scale).index_select(0, flat)
+            scale = field_view(pool, lay.scale).index_select(0, flat)
             latent = dequantize(latent, scale, self.dtype)
         return latent.view(batch, tokens, -1), rope.view(batch, tokens, -1)
+
+
+def rows_reader(cache: PagedLatentCache, layer: int, rows: torch.Tensor):
+    """read(start, stop) over key rows [B, T] of one layer's pool."""
+
+    def read(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache.gather(layer, rows[:, start:stop])
+
+    return read

@@ -18,6 +18,7 @@ from torch import nn
 from mlakit.attention import MLAAttention
 from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.config import MLAConfig
+from mlakit.distributed import fingerprint as fp
 from mlakit.distributed.group import agree, all_gather_stacked, rank_and_world
 from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
 from mlakit.ops.common import query_chunk
@@ -164,6 +165,8 @@ class ContextParallelMLA(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache: ContextParallelCache, slots: Slots = None):
         snap, error = None, None
+        p = self.placement
+        fields = fp.step_fields(hidden_states, cache, slots, block_size=p.block_size, world_size=p.world_size)
         try:
             slot_ids = self._check(hidden_states, cache, slots)
             snap = cache.snapshot()
@@ -171,7 +174,7 @@ class ContextParallelMLA(nn.Module):
         except Exception as err:
             error = err
         try:
-            agree(self.group, error, "context-parallel attention")
+            agree(self.group, error, "context-parallel attention", fields)
         except BaseException:
             if snap is not None:
                 cache.restore(snap)

@@ -20,9 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mlakit.distributed import fingerprint as fp
+
 DEFAULT_TIMEOUT_S = 60.0
 # bytes of each rank's error message carried by the error-flag all-gather
 _MESSAGE_BYTES = 512
+_FLAG_BYTES = 1 + _MESSAGE_BYTES
 _LOCALHOST = "127.0.0.1"
 
 
@@ -62,21 +65,33 @@ def guarded(what: str, group=None) -> Iterator[None]:
         ) from err
 
 
-def agree(group, error: BaseException | None, what: str) -> None:
+def agree(group, error: BaseException | None, what: str, fingerprint: dict[str, str] | None = None) -> None:
     """Every rank learns whether any rank failed in `what`; if one did, every rank raises.
 
     The rank that failed re-raises its own exception (a ValueError stays a ValueError), with a note
-    naming the other failures; every other rank raises RankFailure naming the failed ranks.
+    naming the other failures; every other rank raises RankFailure naming the failed ranks. When the
+    ranks pass `fingerprint`s of their inputs (see `fingerprint.py`) and these differ, the messages
+    name each field that differs and its value on each rank; if no rank failed, every rank raises
+    that as a ValueError.
     """
     rank, world = rank_and_world(group)
-    mine = _encode(error).to(collective_device(group))
+    mine = torch.cat([_encode(error), fp.encode(fingerprint)]).to(collective_device(group))
     flags = [torch.empty_like(mine) for _ in range(world)]
     with guarded(f"{what} (error check)", group):
         dist.all_gather(flags, mine, group=group)
-    failed = {r: _decode(f.cpu()) for r, f in enumerate(flags) if int(f[0])}
-    if not failed:
+    flags = [f.cpu() for f in flags]
+    failed = {r: _decode(f) for r, f in enumerate(flags) if int(f[0])}
+    diffs = fp.differences([fp.decode(f[_FLAG_BYTES:]) for f in flags]) if fingerprint is not None else []
+    if not failed and not diffs:
         return
+    if not failed:
+        raise ValueError(
+            f"rank {rank}: {what}: the {world} ranks were called with different inputs (every rank must "
+            f"get the same hidden_states, slots, cache state and layout); differs: " + "; ".join(diffs)
+        )
     detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
+    if diffs:
+        detail += "; the ranks' inputs also differ: " + "; ".join(diffs)
     if error is not None:
         error.add_note(f"{what} failed on rank(s) {sorted(failed)} of {world}: {detail}")
         raise error
@@ -99,7 +114,7 @@ def all_reduce_sum(t: torch.Tensor, group, what: str) -> torch.Tensor:
 
 
 def _encode(error: BaseException | None) -> torch.Tensor:
-    buf = torch.zeros(1 + _MESSAGE_BYTES, dtype=torch.uint8)
+    buf = torch.zeros(_FLAG_BYTES, dtype=torch.uint8)
     if error is not None:
         text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
         buf[0] = 1
@@ -108,7 +123,7 @@ def _encode(error: BaseException | None) -> torch.Tensor:
 
 
 def _decode(buf: torch.Tensor) -> str:
-    return bytes(buf[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+    return bytes(buf[1:_FLAG_BYTES].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def launch_local(

@@ -14,6 +14,7 @@ from torch import nn
 from mlakit.attention import MLAAttention
 from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.config import MLAConfig
+from mlakit.distributed import fingerprint as fp
 from mlakit.distributed.group import agree, all_reduce_sum, rank_and_world
 
 
@@ -101,14 +102,15 @@ class TensorParallelMLA(nn.Module):
         mode: str = "auto",
         slots: Slots = None,
     ) -> torch.Tensor:
-        snap = None if cache is None else cache.lengths.clone()
-        out, error = None, None
+        fields = fp.step_fields(hidden_states, cache, slots, mode=mode, heads=self.cfg.num_heads)
+        snap, out, error = None, None, None
         try:
+            snap = None if cache is None else cache.lengths.clone()
             out = self.local(hidden_states, cache, mode=mode, slots=slots)  # [B, S, D], partial sum
         except Exception as err:
             error = err
         try:
-            agree(self.group, error, "tensor-parallel attention")
+            agree(self.group, error, "tensor-parallel attention", fields)
         except BaseException:
             if snap is not None:
                 cache.lengths.copy_(snap)

@@ -8,8 +8,8 @@ dequantized.
 
 from __future__ import annotations
 
-import json
 import math
+import numbers
 import os
 import re
 
@@ -17,13 +17,15 @@ import torch
 
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
-from mlakit.hf.config import load_config_dict
+from mlakit.hf.config import load_config_dict, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_BLOCK = (128, 128)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# what a loaded layer may compute in (fp8 weights are dequantized, never kept)
+LAYER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def load_attention(
@@ -34,13 +36,20 @@ def load_attention(
     dtype: None takes config.json's `dtype`/`torch_dtype` (float32 when absent); fp8 weights are
     dequantized in fp32, then cast.
     """
-    folder = os.fspath(path)
-    if not os.path.isdir(folder):
-        raise ValueError(f"path {folder!r} is not a checkpoint folder")
+    folder = _check_arguments(path, dtype, device)
     config = load_config_dict(folder)
     cfg = MLAConfig.from_hf(config)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cfg.num_layers:
-        raise ValueError(f"layer must be an integer in 0..{cfg.num_layers - 1}, got {layer!r}")
+    # without num_hidden_layers the config does not bound the layer: the checkpoint's names do
+    bounded = config.get("num_hidden_layers") is not None
+    valid = f"0..{cfg.num_layers - 1}" if bounded else ">= 0"
+    if (
+        isinstance(layer, bool)
+        or not isinstance(layer, numbers.Integral)
+        or layer < 0
+        or (bounded and layer >= cfg.num_layers)
+    ):
+        raise ValueError(f"layer must be an integer in {valid}, got {layer!r}")
+    layer = int(layer)
     dtype = dtype or _config_dtype(config)
     files = tensor_files(folder)
     prefix = layer_prefix(files, layer)
@@ -49,8 +58,34 @@ def load_attention(
     block = _block_size(config)
     state = read_layer(folder, files, prefix, shapes, block)
     state = {name: t.to(dtype) for name, t in state.items()}
+    for name, t in state.items():
+        _check_finite(f"{prefix}{name} (as {dtype})", t)
     module.load_state_dict(state, assign=True)
     return module.to(device) if device is not None else module
+
+
+def _check_arguments(path, dtype, device) -> str:
+    """The folder, once path, dtype and device are known good; nothing is read before."""
+    if not isinstance(path, str | os.PathLike):
+        raise ValueError(f"path must be a checkpoint folder (str or os.PathLike), got {path!r}")
+    folder = os.fspath(path)
+    if not isinstance(folder, str) or not os.path.isdir(folder):
+        raise ValueError(f"path {folder!r} is not a checkpoint folder")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in LAYER_DTYPES):
+        raise ValueError(
+            f"dtype must be None or one of {', '.join(map(str, LAYER_DTYPES))}, got {dtype!r} "
+            "(fp8 checkpoints are dequantized to one of these)"
+        )
+    if device is not None:
+        try:
+            where = torch.empty(0, device=device).device
+        except (RuntimeError, TypeError, AssertionError) as e:
+            raise ValueError(f"device {device!r} is not a usable torch device ({e})") from e
+        if where.type == "meta":
+            raise ValueError(
+                "device 'meta' holds no data: load to a real device (or build MLAAttention on meta)"
+            )
+    return folder
 
 
 def tensor_files(folder: str) -> dict[str, str]:
@@ -77,14 +112,15 @@ def tensor_files(folder: str) -> dict[str, str]:
 
 def _read_index(index: str) -> dict[str, str]:
     try:
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        data = read_json_object(index, "index")
+    except ValueError as e:
         raise ValueError(f"{index}: not a readable JSON index ({e})") from e
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index}: expected a non-empty 'weight_map' object of tensor name → file name")
     for name, file in weight_map.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{index}: tensor name {name!r} is not a string")
         if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
             raise ValueError(
                 f"{index}: tensor {name!r} maps to {file!r}; expected a file name inside the folder"
@@ -169,6 +205,12 @@ def dequantize_block_fp8(
     """fp8 weight [R, C] times its per-block scale [ceil(R/b0), ceil(C/b1)] → fp32 [R, C]."""
     if weight.dim() != 2:
         raise ValueError(f"{name}: block-fp8 weights must be 2D, got shape {tuple(weight.shape)}")
+    if not scale_inv.dtype.is_floating_point or scale_inv.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"{name}_scale_inv has dtype {scale_inv.dtype}; expected fp32/bf16/fp16 scales "
+            "(an integer or bool scale would round or zero whole blocks)"
+        )
+    _check_finite(f"{name}_scale_inv", scale_inv)
     rows, cols = weight.shape
     b0, b1 = block
     want = (math.ceil(rows / b0), math.ceil(cols / b1))
@@ -181,10 +223,26 @@ def dequantize_block_fp8(
     return weight.float() * scale
 
 
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(f"tensor {name} holds {bad} NaN or infinite values of {t.numel()}; expected finite")
+
+
 def _block_size(config: dict) -> tuple[int, int]:
-    quant = config.get("quantization_config") or {}
-    block = quant.get("weight_block_size") or DEFAULT_BLOCK
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+    quant = config.get("quantization_config")
+    if quant is None:
+        quant = {}
+    if not isinstance(quant, dict):
+        raise ValueError(f"config quantization_config must be an object or null, got {quant!r}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return DEFAULT_BLOCK
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
         raise ValueError(
             f"quantization_config.weight_block_size must be two positive integers, got {block!r}"
         )
@@ -193,6 +251,6 @@ def _block_size(config: dict) -> tuple[int, int]:
 
 def _config_dtype(config: dict) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"config dtype {name!r} is not supported; expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]

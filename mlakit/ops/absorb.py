@@ -33,9 +33,13 @@ def absorb(
     scale: float,
     *,
     key_mask: torch.Tensor | None = None,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `mlakit.ops`. `max_keys` (a plan's bucket): attend over exactly that many keys, masked past
+    kv_lens, without reading kv_lens back to the host."""
     batch, new, heads, _ = q_nope.shape
-    keys = int(kv_lens.max())
+    static = max_keys is not None
+    keys = max_keys if static else int(kv_lens.max())
     c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
@@ -44,8 +48,10 @@ def absorb(
     step = query_chunk(heads * batch, min(keys, KEY_BLOCK), new)
     for start in range(0, new, step):
         stop = min(new, start + step)
-        mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask)
-        o_lat, lse = latent_attention(q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale)
+        mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask, static)
+        o_lat, lse = latent_attention(
+            q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale, static=static
+        )
         outs.append(o_lat)
         lses.append(lse)
     o_lat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -76,11 +82,13 @@ def latent_attention(
     k_pe: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    *,
+    static: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA over the latent: q_lat [B,s,H,L], q_pe [B,s,H,dr] against c_kv [B,T,L], k_pe [B,T,dr].
 
     `mask` [B,s,T] is True where a key is hidden. Returns the latent-space output [B,s,H,L] in fp32
-    and lse [B,s,H] (fp32).
+    and lse [B,s,H] (fp32). `static`: mask hidden keys' values without checking whether any is hidden.
     """
     batch, new, heads, latent = q_lat.shape
     if c_kv.shape[1] == 0:
@@ -94,9 +102,9 @@ def latent_attention(
     if mask is not None:
         mask = mask[:, :, None, :]  # [B, s, 1, T]: the same for every head
     if torch.is_grad_enabled() and (q_l.requires_grad or c_kv.requires_grad):
-        o_lat, lse = _one_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask)
+        o_lat, lse = _one_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask, static)
     else:
-        o_lat, lse = _blocked(q_l, q_r, c_kv, k_pe, mask, cd)
+        o_lat, lse = _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static)
     return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
 
 
@@ -111,25 +119,25 @@ def _scores(q_l, q_r, c, kp, mask):
     return scores
 
 
-def _visible_values(c: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _visible_values(c: torch.Tensor, mask: torch.Tensor | None, static: bool = False) -> torch.Tensor:
     """c [B,t,L] with the keys no query sees zeroed: they get probability 0, but 0 × NaN is NaN, and
     whatever a slot held past its length (a released request, a rejected draft) must not leak in."""
     if mask is None:
         return c
     unseen = mask.all(dim=1).squeeze(1)  # [B, t]
-    if not bool(unseen.any()):
+    if not static and not bool(unseen.any()):
         return c
     return c.masked_fill(unseen[..., None], 0)
 
 
-def _one_block(q_l, q_r, c, kp, mask):
+def _one_block(q_l, q_r, c, kp, mask, static=False):
     """Differentiable form: all keys at once."""
-    c = _visible_values(c, mask)
+    c = _visible_values(c, mask, static)
     probs, lse = softmax_lse(_scores(q_l, q_r, c, kp, mask))
     return torch.bmm(probs.to(c.dtype), c).to(probs.dtype), lse
 
 
-def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
+def _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static=False):
     """Online softmax over key blocks: running max, denominator and unnormalized output in fp32.
 
     Converted blocks and scores live in buffers allocated once per call: a fresh multi-MB tensor per
@@ -149,7 +157,7 @@ def _blocked(q_l, q_r, c_kv, k_pe, mask, cd):
         k1 = min(keys, k0 + block)
         block_mask = None if mask is None else mask[..., k0:k1]
         c = _visible_values(
-            _convert(c_kv[:, k0:k1], c_buf), block_mask
+            _convert(c_kv[:, k0:k1], c_buf), block_mask, static
         )  # [B, t, L]: converted once, used twice
         scores = s_buf[: batch * rows * (k1 - k0)].view(batch, rows, k1 - k0)
         torch.bmm(q_r, _convert(k_pe[:, k0:k1], k_buf).transpose(1, 2), out=scores)

@@ -24,19 +24,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def zero_past_lengths(block: torch.Tensor, kv_lens: torch.Tensor, start: int) -> torch.Tensor:
+def zero_past_lengths(
+    block: torch.Tensor, kv_lens: torch.Tensor, start: int, static: bool = False
+) -> torch.Tensor:
     """`block` [B, t, ·] (context rows start..start+t) with the rows at or past each row's length zeroed.
 
     Hidden keys get probability 0, but 0 × NaN is NaN: whatever a slot held before (a released
     request, a rejected draft, a poisoned page) must not reach the weighted sum. Copies only when
-    some row is shorter than the block.
+    some row is shorter than the block; `static` always masks (no value read back to the host).
     """
     stop = start + block.shape[1]
-    short = kv_lens < stop
-    if not bool(short.any()):
+    if not static and not bool((kv_lens < stop).any()):
         return block
-    keep = torch.arange(start, stop)[None, :] < kv_lens[:, None]  # [B, t]
-    return torch.where(keep.to(block.device)[..., None], block, torch.zeros((), dtype=block.dtype))
+    keep = (
+        torch.arange(start, stop, device=block.device)[None, :] < kv_lens.to(block.device)[:, None]
+    )  # [B, t]
+    return torch.where(keep[..., None], block, torch.zeros((), dtype=block.dtype, device=block.device))
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -59,13 +62,15 @@ def context_mask(
     k_stop: int,
     device,
     key_mask: torch.Tensor | None = None,
+    static: bool = False,
 ) -> torch.Tensor | None:
     """Bool [B, q, k], True where key k is hidden from query q; None when nothing is hidden.
 
     Query i of row b sits at position kv_lens[b] - new + i and sees keys 0 .. that position, except
-    keys where `key_mask` [B, T] is False (left padding).
+    keys where `key_mask` [B, T] is False (left padding). `static`: always a mask, never a value read
+    back to decide (a step's plan fixes the shapes).
     """
-    if key_mask is None and new == 1 and bool((kv_lens >= k_stop).all()):
+    if not static and key_mask is None and new == 1 and bool((kv_lens >= k_stop).all()):
         return None
     lens = kv_lens.to(device)
     query_pos = lens[:, None] - new + torch.arange(q_start, q_stop, device=device)  # [B, q]

@@ -37,24 +37,29 @@ def materialize(
     key_mask: torch.Tensor | None = None,
     workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     need_lse: bool = True,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See `mlakit.ops`. With need_lse=False a one-shot call may run through SDPA and returns lse None."""
+    """See `mlakit.ops`. With need_lse=False a one-shot call may run through SDPA and returns lse None.
+    `max_keys` (a plan's bucket): exactly that many keys, masked past kv_lens, no host read."""
     if workspace_tokens <= 0:
         raise ValueError(f"workspace_tokens must be > 0, got {workspace_tokens}")
-    keys = int(kv_lens.max())
+    static = max_keys is not None
+    keys = max_keys if static else int(kv_lens.max())
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     w_uk, w_uv = w_uk.to(cd), w_uv.to(cd)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     if keys <= workspace_tokens and not need_lse and not q.requires_grad:
-        latent, rope = (zero_past_lengths(t[:, :keys], kv_lens, 0).to(cd) for t in (c_kv, k_pe))
+        latent, rope = (zero_past_lengths(t[:, :keys], kv_lens, 0, static).to(cd) for t in (c_kv, k_pe))
         k, v = expand(latent, rope, w_uk, w_uv)
-        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask).to(q_nope.dtype), None
+        return _sdpa(q, k, v, kv_lens, q_nope.shape[1], scale, key_mask, static).to(q_nope.dtype), None
     out = lse = None
     for start in range(0, keys, workspace_tokens):
         stop = min(keys, start + workspace_tokens)
-        latent, rope = (zero_past_lengths(t[:, start:stop], kv_lens, start).to(cd) for t in (c_kv, k_pe))
+        latent, rope = (
+            zero_past_lengths(t[:, start:stop], kv_lens, start, static).to(cd) for t in (c_kv, k_pe)
+        )
         k, v = expand(latent, rope, w_uk, w_uv)
-        part, part_lse = _attend(q, k, v, kv_lens, start, scale, key_mask)
+        part, part_lse = _attend(q, k, v, kv_lens, start, scale, key_mask, static)
         # free this chunk's K/V before the next is expanded, and fold the part in at once
         del k, v, latent, rope
         out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
@@ -73,7 +78,7 @@ def expand(
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _sdpa(q, k, v, kv_lens, new, scale, key_mask):
+def _sdpa(q, k, v, kv_lens, new, scale, key_mask, static=False):
     keys = k.shape[2]
     dv = v.shape[-1]
     if dv != q.shape[-1]:
@@ -85,15 +90,15 @@ def _sdpa(q, k, v, kv_lens, new, scale, key_mask):
             padded[..., :dv].copy_(v)
             padded[..., dv:].zero_()
             v = padded
-    causal = key_mask is None and new == keys and bool((kv_lens == keys).all())
-    mask = None if causal else context_mask(kv_lens, new, 0, new, 0, keys, q.device, key_mask)
+    causal = not static and key_mask is None and new == keys and bool((kv_lens == keys).all())
+    mask = None if causal else context_mask(kv_lens, new, 0, new, 0, keys, q.device, key_mask, static)
     if mask is not None:
         mask = ~mask[:, None]  # SDPA keeps True
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and new > 1, scale=scale)
     return out[..., :dv].transpose(1, 2)  # [B, S, H, dv]
 
 
-def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
+def _attend(q, k, v, kv_lens, key_start, scale, key_mask, static=False):
     """Attention of all queries to keys key_start.. of the context: (out [B,S,H,dv] fp32, lse [B,S,H])."""
     batch, heads, new, _ = q.shape
     keys = k.shape[2]
@@ -103,7 +108,9 @@ def _attend(q, k, v, kv_lens, key_start, scale, key_mask):
         stop = min(new, start + step)
         scores = torch.matmul(q[:, :, start:stop], k.transpose(2, 3))  # [B, H, s, T]
         scores = scores.to(acc_dtype(scores.dtype))
-        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, q.device, key_mask)
+        mask = context_mask(
+            kv_lens, new, start, stop, key_start, key_start + keys, q.device, key_mask, static
+        )
         if scores.requires_grad:
             scores = scores * scale
             if mask is not None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
-from mlakit.ops.common import context_mask, query_chunk
+from mlakit.ops.common import compute_dtype, context_mask, query_chunk
 from mlakit.ops.merge import merge
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -31,24 +31,30 @@ def absorb_chunked(
     scale: float,
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges."""
+    """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges. `max_keys` (a
+    plan's bucket): read exactly that many keys, masked past kv_lens, no host read."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
-    keys = int(kv_lens.max())
+    static = max_keys is not None
+    keys = max_keys if static else int(kv_lens.max())
     if keys <= 0:
         raise ValueError(f"kv_lens {kv_lens.tolist()} hold no key to attend")
-    q_lat = fold_queries(q_nope, w_uk)  # [B, S, H, L]
+    # the matmuls run in the compute dtype (fp32 for bf16 on a CPU without native bf16), as absorb's
+    cd = compute_dtype(q_nope.dtype, q_nope.device)
+    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+    q_pe = q_pe.to(cd)
     o_lat, lse = None, None
     for start in range(0, keys, chunk_tokens):
         stop = min(keys, start + chunk_tokens)
         c_kv, k_pe = read(start, stop)
-        part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale)
+        part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale, static)
         o_lat, lse = part if o_lat is None else merge([o_lat, part[0]], [lse, part[1]])
-    return unfold_values(o_lat.to(q_nope.dtype), w_uv), lse
+    return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
 
 
-def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale):
+def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=False):
     """Every query against keys key_start.. (global positions): (o_lat [B,S,H,L] fp32, lse [B,S,H])."""
     batch, new, heads, _ = q_lat.shape
     keys = c_kv.shape[1]
@@ -56,8 +62,12 @@ def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale):
     step = query_chunk(heads * batch, keys, new)
     for start in range(0, new, step):
         stop = min(new, start + step)
-        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, c_kv.device)
-        o, lse = latent_attention(q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale)
+        mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, c_kv.device, None, static)
+        o, lse = latent_attention(
+            q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale, static=static
+        )
         outs.append(o.float())
         lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
