@@ -20,6 +20,8 @@ from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
 from mlakit.rope import RotaryTable
 
+ABSORB_BACKENDS = ("auto", "triton", "torch")
+
 
 class RMSNorm(nn.Module):
     """transformers' RMSNorm: normalize in fp32, cast back, then scale."""
@@ -86,6 +88,11 @@ class MLAAttention(nn.Module):
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
         self.last_mode: str | None = None
         self.last_row_modes: list[str] = []
+        # absorb over a paged cache: "auto" (the Triton kernel on CUDA with Triton installed, else the
+        # torch path), "torch" (force the reference path) or "triton" (force the kernel); what ran is
+        # recorded in `last_backend` and on the step's plan (`plan.backend`)
+        self.absorb_backend = "auto"
+        self.last_backend: str | None = None
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
 
@@ -227,18 +234,34 @@ class MLAAttention(nn.Module):
         cache = plan.cache
         if isinstance(cache, PagedLatentCache):
             if g.path == "absorb":
-                read = rows_reader(cache, layer, g.read_rows)
-                w_uk, w_uv = self.up_weights()
-                out, _ = absorb_chunked(
-                    q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len
-                )
-                return out
+                return self._absorb_pages(plan, g, layer, q_nope, q_pe)
             c_kv, k_pe = cache.gather(layer, g.read_rows)
         elif cache is None:
             c_kv, k_pe = local if g.rows is None else (local[0][g.rows], local[1][g.rows])
         else:
             c_kv, k_pe = cache.context(layer, g, g.key_len)
         return self.attend(g.path, q_nope, q_pe, c_kv, k_pe, g.kv_lens, g.key_len)[0]
+
+    def _absorb_pages(self, plan, g: RowGroup, layer, q_nope, q_pe) -> torch.Tensor:
+        """Absorb over one layer's pages: the fused kernel (block table, kv_lens on the device) or the
+        torch path (rows read chunk by chunk); records which one ran on the layer and the plan."""
+        cache = plan.cache
+        w_uk, w_uv = self.up_weights()
+        backend = _absorb_backend(self.absorb_backend, cache.device)
+        if backend == "triton":
+            from mlakit.kernels import absorb_paged
+
+            table = plan.block_table if g.rows is None else plan.block_table.index_select(0, g.rows)
+            pages = cache.layer_pages(layer)
+            out, _ = absorb_paged(
+                q_nope, q_pe, pages, table, g.kv_lens, w_uk, w_uv, self.scale, layout=cache.layout
+            )
+        else:
+            read = rows_reader(cache, layer, g.read_rows)
+            out, _ = absorb_chunked(q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len)
+        self.last_backend = backend
+        plan.backend = backend if plan.backend in (None, backend) else "mixed"
+        return out
 
     def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys=None):
         """Run one path over a context; returns (out [B,S,H,dv], lse [B,S,H] or None). `max_keys`: a
@@ -334,6 +357,17 @@ class MLAAttention(nn.Module):
             raise ValueError(
                 f"layer_idx {self.layer_idx} out of range: the cache holds {cache.num_layers} layers"
             )
+
+
+def _absorb_backend(choice: str, device: torch.device) -> str:
+    """ "triton" or "torch" for `MLAAttention.absorb_backend`; "auto" never imports Triton off CUDA."""
+    if choice not in ABSORB_BACKENDS:
+        raise ValueError(f"absorb_backend must be one of {ABSORB_BACKENDS}, got {choice!r}")
+    if choice == "auto" and device.type != "cuda":
+        return "torch"
+    from mlakit.kernels import pick_backend
+
+    return pick_backend(device, choice)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

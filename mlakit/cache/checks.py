@@ -11,6 +11,9 @@ import os
 
 import torch
 
+# new tokens of one row in one step: far past any cache, small enough for an int64 sum
+MAX_TOKENS = 2**31 - 1
+
 
 def int_list(value, name: str) -> list[int]:
     """`value` as a list of Python ints: a Python or numpy integer, a flat list/tuple of them, a 0-d
@@ -77,9 +80,11 @@ def check_counts(new_tokens, rows: int | None, name: str = "new_tokens") -> tupl
         counts = counts * (rows if rows is not None else 1)
     elif rows is not None and len(counts) != rows:
         raise ValueError(f"{name} has {len(counts)} entries, expected one per batch row ({rows})")
+    shown = counts[0] if single and counts else counts
     if not counts or min(counts) < 1:
-        shown = counts[0] if single else counts
         raise ValueError(f"appending {shown} tokens; {name} must be at least 1")
+    if max(counts) > MAX_TOKENS:
+        raise ValueError(f"{name} {shown} too large: at most {MAX_TOKENS} tokens per row and step")
     return counts, single
 
 

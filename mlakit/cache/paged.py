@@ -185,9 +185,14 @@ class PagedLatentCache(StepCache):
         written = torch.tensor([self.blocks.tokens[s] for s in slots.tolist()], dtype=torch.long)
         return torch.where(t < written[:, None], flat, torch.full_like(flat, self.zero_row))
 
-    def _block_table(self, slots: torch.Tensor) -> torch.Tensor:
-        width = max(1, max(len(self.blocks.tables[s]) for s in slots.tolist()))
-        return self.table(slots, width).to(torch.int32).to(self.device)
+    def _table_of(self, slots: torch.Tensor):
+        """table_of(key_len): int32 block tables [B, key_len / block_size] of `slots` on the device."""
+
+        def table_of(key_len: int) -> torch.Tensor:
+            width = blocks_for(key_len, self.block_size)
+            return self.table(slots, width).to(torch.int32).to(self.device)
+
+        return table_of
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new tokens at the plan's rows; quantizes the latent."""

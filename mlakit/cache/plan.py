@@ -56,7 +56,8 @@ class StepPlan:
     valid: torch.Tensor  # [B, S] bool: position i of row b is one of its new tokens
     q_index: torch.Tensor | None  # [B, S] long: ragged rows, query window j <- token q_index[b, j]
     o_index: torch.Tensor | None  # [B, S] long: and back, token i <- window o_index[b, i]
-    block_table: torch.Tensor | None  # [B, max_blocks] int32 (paged): pages of each row, sentinel past
+    # [B, key_len / block_size] int32 (paged): pages of each row, sentinel past (fixed width in a bucket)
+    block_table: torch.Tensor | None
     groups: tuple[RowGroup, ...]
     batch: int
     seq_len: int
@@ -67,6 +68,8 @@ class StepPlan:
     starts: torch.Tensor = field(repr=False)  # [B] CPU long: lengths before the step
     counts: torch.Tensor = field(repr=False)  # [B] CPU long: new tokens of each row
     state: str = "open"  # "open" until committed or superseded by a newer plan
+    # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
+    backend: str | None = None
 
     @property
     def ragged(self) -> bool:
@@ -140,7 +143,7 @@ def make_plan(
     write_rows: torch.Tensor,
     bucket,
     rows_of,
-    block_table=None,
+    table_of=None,
 ) -> StepPlan:
     """Assemble a StepPlan once the cache has checked the step and given its new tokens rows."""
     device = cache.device
@@ -154,6 +157,7 @@ def make_plan(
     q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
     cos, sin = cache.rope.cos_sin(positions.to(device))
     groups = build_groups(paths, kv_lens, slot_t, device, bucket, rows_of)
+    key_len = max(g.key_len for g in groups)
     return StepPlan(
         cache=cache,
         positions=positions.to(device),
@@ -164,11 +168,11 @@ def make_plan(
         valid=(torch.arange(seq_len)[None, :] < counts_t[:, None]).to(device),
         q_index=q_index,
         o_index=o_index,
-        block_table=block_table,
+        block_table=None if table_of is None else table_of(key_len),
         groups=groups,
         batch=len(slots),
         seq_len=seq_len,
-        key_len=max(g.key_len for g in groups),
+        key_len=key_len,
         rope_key=cache.rope.key,
         row_modes=tuple(paths),
         slots=slot_t,

@@ -19,7 +19,7 @@ class StepCache:
         self.rope = RotaryTable(cfg)
         self._open: StepPlan | None = None
 
-    def _block_table(self, slots: torch.Tensor):
+    def _table_of(self, slots: torch.Tensor):
         return None
 
     def plan(
@@ -63,7 +63,7 @@ class StepCache:
             write_rows,
             self._bucket,
             self._rows_of(slot_ids),
-            self._block_table(slot_ids),
+            self._table_of(slot_ids),
         )
         self._open = plan
         return plan

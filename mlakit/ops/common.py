@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 # scores computed at once are capped at this many elements (256 MB in fp32)
 SCORE_BUDGET = 1 << 26
 
 
-@functools.cache
+# whether this CPU has native 16-bit GEMMs, asked once at import (a constant to torch.compile)
+_CPU_FAST = {
+    torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+}
+
+
 def _cpu_has_fast(dtype: torch.dtype) -> bool:
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return True
+    return _CPU_FAST.get(dtype, True)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

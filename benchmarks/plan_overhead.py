@@ -1,0 +1,184 @@
+"""Per-step bookkeeping before and after step plans (issue 10), printed, never asserted.
+
+1. The tiny shape (decode, batch 4, 1 new token, hidden 64 / 2 heads / latent 16, 64 cached,
+   mode absorb): aten ops and wall time per layer call, the one-layer call (plans, runs and commits
+   inside) vs a planned layer call, eager and compiled, for both caches.
+2. DeepSeek-V3 widths in bf16, a 4-layer stack, batch 8, 4K cached: time per decode step, one plan
+   for the stack vs per-layer one-layer calls (`--quick`: 2 layers, batch 2, 1K cached).
+
+    PYTHONPATH=. python benchmarks/plan_overhead.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mlakit import LatentCache, MLAAttention, MLAConfig
+from mlakit.cache.paged import PagedLatentCache
+
+TINY = MLAConfig(
+    hidden_size=64,
+    num_heads=2,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def new_cache(kind: str, cfg: MLAConfig, batch: int, context: int, layers: int, dtype):
+    if kind == "contiguous":
+        return LatentCache(cfg, batch, context + 64, num_layers=layers, dtype=dtype)
+    blocks = batch * (-(-(context + 64) // 64))
+    return PagedLatentCache(cfg, blocks, 64, max_batch=batch, num_layers=layers, dtype=dtype)
+
+
+def seeded_layer(cfg: MLAConfig, idx: int, dtype) -> MLAAttention:
+    torch.manual_seed(idx)
+    layer = MLAAttention(cfg, layer_idx=idx, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    return layer
+
+
+def fill(cache, layers, batch: int, context: int, dtype):
+    """`context` cached tokens in every slot and layer (random latents, written through a plan)."""
+    cfg = cache.cfg
+    plan = cache.plan(context, batch=batch)
+    for layer in range(cache.num_layers):
+        c = torch.randn(batch, context, cfg.kv_lora_rank, dtype=dtype)
+        k = torch.randn(batch, context, cfg.qk_rope_head_dim, dtype=dtype)
+        cache.write(plan, layer, c, k)
+    cache.commit(plan)
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of `fn()` over `reps` runs (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def tiny_rows(kind: str, reps: int) -> list[dict]:
+    layer = seeded_layer(TINY, 0, torch.float32)
+    cache = new_cache(kind, TINY, 4, 64, 1, torch.float32)
+    fill(cache, [layer], 4, 64, torch.float32)
+    h = torch.randn(4, 1, TINY.hidden_size)
+
+    def one_layer_call():
+        layer(h, cache, mode="absorb")
+        cache.lengths[:] = 64
+
+    rows = []
+    with torch.no_grad():
+        rows.append(measure(kind, "one-layer call", one_layer_call, reps, extra_ops=1))  # the reset
+        plan = cache.plan(1, mode="absorb")
+        rows.append(measure(kind, "planned", lambda: layer(h, plan), reps))
+        compiled = torch.compile(lambda x, p: layer(x, p), fullgraph=True)
+        # a TorchDispatchMode cannot run around a compiled frame: wall time only
+        rows.append(measure(kind, "planned, compiled", lambda: compiled(h, plan), reps, count=False))
+    return rows
+
+
+def measure(kind: str, name: str, fn, reps: int, extra_ops: int = 0, count: bool = True) -> dict:
+    fn()
+    counter = OpCounter()
+    if count:
+        with counter:
+            fn()
+    ops = sum(counter.ops.values()) - extra_ops if count else None
+    return {
+        "cache": kind,
+        "call": name,
+        "aten_ops": ops,
+        "ms": 1e3 * timed(fn, reps),
+        "ops": dict(counter.ops),
+    }
+
+
+def stack_step_times(cfg, layers_n: int, batch: int, context: int, reps: int) -> dict:
+    dtype = torch.bfloat16
+    layers = [seeded_layer(cfg, i, dtype) for i in range(layers_n)]
+    shared = new_cache("contiguous", cfg, batch, context, layers_n, dtype)
+    fill(shared, layers, batch, context, dtype)
+    own = []
+    for _ in layers:
+        c = new_cache("contiguous", cfg, batch, context, 1, dtype)
+        fill(c, None, batch, context, dtype)
+        own.append(c)
+    h0 = torch.randn(batch, 1, cfg.hidden_size, dtype=dtype)
+
+    def planned():
+        plan = shared.plan(1, batch=batch)
+        h = h0
+        for layer in layers:
+            h = layer(h, plan)
+        shared.discard(plan)  # the same context every repetition
+
+    def per_layer():
+        h = h0
+        for layer, cache in zip(layers, own, strict=True):
+            idx, layer.layer_idx = layer.layer_idx, 0
+            h = layer(h, cache)
+            layer.layer_idx = idx
+            cache.lengths[:] = context
+
+    with torch.no_grad():
+        return {"planned_ms": 1e3 * timed(planned, reps), "per_layer_ms": 1e3 * timed(per_layer, reps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="a smaller DeepSeek-V3 stack (2 layers, batch 2, 1K)"
+    )
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = tiny_rows("contiguous", 50) + tiny_rows("paged", 50)
+    print(f"{'cache':<11} {'call':<18} {'aten ops':>8} {'ms/call':>8}")
+    for r in rows:
+        ops = "-" if r["aten_ops"] is None else r["aten_ops"]
+        print(f"{r['cache']:<11} {r['call']:<18} {ops:>8} {r['ms']:>8.3f}")
+    layers_n, batch, context = (2, 2, 1024) if args.quick else (4, 8, 4096)
+    v3 = MLAConfig.preset("deepseek-v3")
+    step = stack_step_times(v3, layers_n, batch, context, 2 if args.quick else 3)
+    print(
+        f"DeepSeek-V3 widths, bf16, {layers_n} layers, batch {batch}, {context} cached: per step "
+        f"planned {step['planned_ms']:.0f} ms, per-layer calls {step['per_layer_ms']:.0f} ms"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"tiny": rows, "stack": {"layers": layers_n, "batch": batch, "context": context, **step}}, f
+            )
+
+
+if __name__ == "__main__":
+    main()
