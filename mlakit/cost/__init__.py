@@ -25,7 +25,7 @@ from mlakit.cost.crossover import (
     roofline_crossover,
 )
 from mlakit.cost.measured import load_results, measured_crossover, validate_results
-from mlakit.cost.report import cost_report, markdown_tables
+from mlakit.cost.report import cost_report, format_seconds, markdown_tables
 from mlakit.cost.roofline import (
     MACHINES,
     MachineProfile,
@@ -50,6 +50,7 @@ from mlakit.cost.sparse import (
     sparse_path_terms,
 )
 from mlakit.cost.terms import (
+    DEFAULT_COUNTING,
     MODELS,
     MODES,
     absorb_macs,
@@ -77,6 +78,7 @@ __all__ = [
     "sparse_path_macs",
     "sparse_path_terms",
     "CACHE_DTYPES",
+    "DEFAULT_COUNTING",
     "DEFAULT_GQA_GROUPS",
     "MACHINES",
     "MODELS",
@@ -95,6 +97,7 @@ __all__ = [
     "expanded_tokens",
     "first_crossing",
     "format_bytes",
+    "format_seconds",
     "gap_coefficients",
     "gqa_groups_defined",
     "keys_seen",

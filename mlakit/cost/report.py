@@ -116,5 +116,13 @@ def markdown_tables(context: int = 4096, sequence: int = 131072, machine: str = 
     return "\n".join(lines) + "\n"
 
 
+def format_seconds(seconds: float) -> str:
+    """'12.3 ns', '4.56 µs', '7.89 ms', '1.23 s' (3 significant digits; 'inf s' past float range)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale or unit == "ns":
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds} s"
+
+
 def _tok(x: float | None) -> str:
     return "none" if x is None else f"{x:.1f}"
