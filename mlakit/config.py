@@ -368,7 +368,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         index_topk=2048,
         indexer_rope_interleave=False,
     ),
-    "mistral-large-4": dict(  # MistralLarge4TextConfig (mistralai/Mistral-Large-4-1T-A52B); dense widths only:
+    "mistral-large-4": dict(  # MistralLarge4TextConfig (mistralai/Mistral-Large-4-1T-A52B); dense widths:
         # its indexer runs without a q_lora latent, which MLAConfig cannot describe; DSA, refused
         hidden_size=6144,
         num_heads=64,
