@@ -147,7 +147,7 @@ def test_cli_cost_has_a_sparse_section(capsys):
     r = json.loads(capsys.readouterr().out)["sparse"]
     assert r["auto_picks"] == "sparse-absorb" and not r["dense"]
     assert r["totals"]["sparse-absorb"]["macs"] == sparse_path_macs(
-        MLAConfig.preset("deepseek-v3.2"), "sparse-absorb", 1, 131072
+        MLAConfig.preset("deepseek-v3.2"), "sparse-absorb", 1, 131072, "causal"
     )
     assert main(argv) == 0
     text = capsys.readouterr().out
