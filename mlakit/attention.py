@@ -105,6 +105,7 @@ class MLAAttention(nn.Module):
         # recorded in `last_backend` and on the step's plan (`plan.backend`)
         self.absorb_backend = "auto"
         self.last_backend: str | None = None
+        self._derived: torch.Tensor | None = None  # the reused buffer up_weights converts into
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
 
@@ -120,17 +121,38 @@ class MLAAttention(nn.Module):
         """(w_uk [H,dn,L], w_uv [H,dv,L]) of kv_b_proj in the dtype matmuls run in.
 
         Views of the weight when that is its own dtype; otherwise (bf16 weights on a CPU without
-        native bf16 GEMMs) converted anew on every call. Nothing derived is kept, so nothing can go
-        stale: a `.data` write, `load_state_dict` or a model built under `torch.inference_mode()`
-        are all seen at once, and the function traces into a graph (docs/mla.md has the cost).
+        native bf16 GEMMs) converted anew on every call, into a buffer kept between calls (a fresh
+        64 MiB tensor per DeepSeek-V3 layer costs page faults: ~50 ms against ~10 ms for the copy).
+        Nothing derived is reused unconverted, so nothing can go stale: a `.data` write,
+        `load_state_dict` or a model built under `torch.inference_mode()` are all seen at once, and
+        under torch.compile the conversion traces into the graph (docs/mla.md has the cost).
         """
         cfg = self.cfg
         w = self.kv_b_proj.weight
         per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         cd = compute_dtype(w.dtype, w.device)
         if cd != w.dtype:
-            per_head = per_head.to(cd)
+            if torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
+                per_head = per_head.to(cd)
+            else:
+                per_head = self._converted(per_head, cd)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
+
+    def _converted(self, per_head: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+        """`per_head` copied into this layer's reused `cd` buffer (reallocated when its shape, device or
+        inference-mode status no longer fits)."""
+        buf = self._derived
+        fits = (
+            buf is not None
+            and buf.shape == per_head.shape
+            and buf.dtype == cd
+            and buf.device == per_head.device
+            and buf.is_inference() == torch.is_inference_mode_enabled()
+        )
+        if not fits:
+            buf = self._derived = torch.empty(per_head.shape, dtype=cd, device=per_head.device)
+        with torch.no_grad():
+            return buf.copy_(per_head)
 
     def forward(
         self,
