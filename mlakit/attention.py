@@ -18,7 +18,7 @@ from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
-from mlakit.rope import RotaryTable
+from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
 
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)  # promote, never demote
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -201,8 +201,8 @@ class MLAAttention(nn.Module):
         """Projections, rope, cache write, the plan's paths, o_proj; nothing read back to the host."""
         batch, new, _ = hidden_states.shape
         q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states)
-        q_pe = self.rope.apply(q_pe, plan.cos[:, :, None], plan.sin[:, :, None])
-        k_pe = self.rope.apply(k_pe, plan.cos, plan.sin)
+        q_pe = apply_tables(q_pe, plan.rope_q)
+        k_pe = apply_tables(k_pe, plan.rope_k)
         if plan.cache is None:
             # padding stays out of the context (its latent may be anything, even NaN)
             keep = plan.valid[..., None]

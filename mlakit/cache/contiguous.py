@@ -146,10 +146,10 @@ class LatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
-        rows = plan.write_rows.reshape(-1)
-        with torch.no_grad():
-            self._c_rows[layer].index_copy_(0, rows, c_kv.detach().reshape(rows.numel(), -1))
-            self._k_rows[layer].index_copy_(0, rows, k_pe.detach().reshape(rows.numel(), -1))
+        rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
+        with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
+            self._c_rows[layer].index_put_(rows, c_kv)
+            self._k_rows[layer].index_put_(rows, k_pe)
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
