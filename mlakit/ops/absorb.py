@@ -103,6 +103,8 @@ def latent_attention(
         mask = mask[:, :, None, :]  # [B, s, 1, T]: the same for every head
     if torch.is_grad_enabled() and (q_l.requires_grad or c_kv.requires_grad):
         o_lat, lse = _one_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask, static)
+    elif c_kv.shape[1] <= KEY_BLOCK and cd == acc_dtype(cd):
+        o_lat, lse = _single_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask, static)
     else:
         o_lat, lse = _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static)
     return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
@@ -110,12 +112,15 @@ def latent_attention(
 
 def _scores(q_l, q_r, c, kp, mask):
     """Scaled scores [B, s·H, T] in fp32 with hidden keys at -inf."""
-    scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2))
+    scores = torch.bmm(q_r, kp.transpose(1, 2)).baddbmm_(q_l, c.transpose(1, 2))
     scores = scores.to(acc_dtype(scores.dtype))
     if mask is not None:
         batch, rows, keys = scores.shape
         shaped = scores.view(batch, mask.shape[1], rows // mask.shape[1], keys)
-        scores = shaped.masked_fill(mask, float("-inf")).view(batch, rows, keys)
+        if torch.is_grad_enabled() and scores.requires_grad:
+            scores = shaped.masked_fill(mask, float("-inf")).view(batch, rows, keys)
+        else:
+            shaped.masked_fill_(mask, float("-inf"))
     return scores
 
 
@@ -135,6 +140,17 @@ def _one_block(q_l, q_r, c, kp, mask, static=False):
     c = _visible_values(c, mask, static)
     probs, lse = softmax_lse(_scores(q_l, q_r, c, kp, mask))
     return torch.bmm(probs.to(c.dtype), c).to(probs.dtype), lse
+
+
+def _single_block(q_l, q_r, c, kp, mask, static=False):
+    """No autograd, one key block, fp32/fp64 matmuls: the softmax in one pass, in place (the online
+    softmax's bookkeeping is ~20 ops a call, most of the decode cost at small widths)."""
+    c = _visible_values(c, mask, static)
+    scores = _scores(q_l, q_r, c, kp, mask)  # [B, s·H, T]
+    lse = scores.logsumexp(dim=-1)  # -inf where every key is hidden
+    # such rows: exp(-inf - 0) = 0, zero probabilities as softmax_lse gives
+    probs = scores.sub_(lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]).exp_()
+    return torch.bmm(probs, c), lse
 
 
 def _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static=False):
