@@ -40,7 +40,8 @@ def absorb(
     batch, new, heads, _ = q_nope.shape
     static = max_keys is not None
     keys = max_keys if static else int(kv_lens.max())
-    c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
+    if c_kv.shape[1] != keys:  # a plan's context already has exactly `keys` keys: no slice op
+        c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_pe = q_pe.to(cd)
@@ -49,9 +50,8 @@ def absorb(
     for start in range(0, new, step):
         stop = min(new, start + step)
         mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask, static)
-        o_lat, lse = latent_attention(
-            q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale, static=static
-        )
+        q_l, q_r = (q_lat, q_pe) if stop - start == new else (q_lat[:, start:stop], q_pe[:, start:stop])
+        o_lat, lse = latent_attention(q_l, q_r, c_kv, k_pe, mask, scale, static=static)
         outs.append(o_lat)
         lses.append(lse)
     o_lat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
