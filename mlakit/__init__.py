@@ -1,10 +1,35 @@
-"""mlakit: Multi-head Latent Attention with both algorithms, the cost model and the crossover."""
+"""mlakit: Multi-head Latent Attention with both algorithms, the cost model and the crossover.
 
-from mlakit.attention import MLAAttention
-from mlakit.cache.contiguous import LatentCache
-from mlakit.cache.paged import PagedLatentCache
-from mlakit.config import PRESETS, MLAConfig
+Names resolve lazily, so that `import mlakit.config` (and the torch-free CLI commands: --help,
+models, cache, crossover, cost) never import torch; `mlakit.MLAAttention` imports it on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "MLAAttention": "mlakit.attention",
+    "LatentCache": "mlakit.cache.contiguous",
+    "PagedLatentCache": "mlakit.cache.paged",
+    "PRESETS": "mlakit.config",
+    "MLAConfig": "mlakit.config",
+}
+
 __all__ = ["PRESETS", "LatentCache", "MLAAttention", "MLAConfig", "PagedLatentCache", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlakit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -11,13 +11,22 @@ from mlakit.cache.checks import int_list
 from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.cache.paged import PagedLatentCache, rows_reader
 from mlakit.cache.plan import RowGroup, StepPlan, local_plan
+from mlakit.cache.quant import hadamard
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode
+from mlakit.indexer import Indexer
 from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
+from mlakit.ops.sparse import (
+    gather_rows,
+    index_scores,
+    select_topk,
+    sparse_absorb_gathered,
+    sparse_materialize,
+)
 from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
@@ -38,15 +47,16 @@ class RMSNorm(nn.Module):
 
 
 def project_unrotated(
-    m: nn.Module, cfg: MLAConfig, hidden_states: torch.Tensor
+    m: nn.Module, cfg: MLAConfig, hidden_states: torch.Tensor, q_resid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The projections of a module with transformers' MLA submodule names, before rope:
-    q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr]."""
+    q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr]. `q_resid`: the
+    normalized query latent q_a_layernorm(q_a_proj(x)) when the caller has it already (DSA)."""
     batch, new, _ = hidden_states.shape
     if cfg.q_lora_rank is None:
         q = m.q_proj(hidden_states)
     else:
-        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)) if q_resid is None else q_resid)
     q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     latent = m.kv_a_proj_with_mqa(hidden_states)
@@ -83,6 +93,8 @@ class MLAAttention(nn.Module):
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **f
         )
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias, **f)
+        # DSA (DeepSeek-V3.2, GLM-5): the lightning indexer, transformers' names (indexer.wq_b, ...)
+        self.indexer = Indexer(cfg, **f) if cfg.is_sparse else None
         self.rope = RotaryTable(cfg)
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
@@ -200,19 +212,26 @@ class MLAAttention(nn.Module):
     def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int | None) -> torch.Tensor:
         """Projections, rope, cache write, the plan's paths, o_proj; nothing read back to the host."""
         batch, new, _ = hidden_states.shape
-        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states)
+        q_resid = None if self.indexer is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states, q_resid)
         q_pe = apply_tables(q_pe, plan.rope_q)
         k_pe = apply_tables(k_pe, plan.rope_k)
+        k_idx = None if self.indexer is None else self.indexer.keys(hidden_states, plan.cos, plan.sin)
         if plan.cache is None:
             # padding stays out of the context (its latent may be anything, even NaN)
             keep = plan.valid[..., None]
             local = (c_kv.where(keep, 0), k_pe.where(keep, 0))
+            if k_idx is not None:
+                local += (k_idx.where(keep, 0),)
         else:
             plan.cache.write(plan, layer, c_kv, k_pe)
+            if k_idx is not None:
+                plan.cache.write_index(plan, layer, k_idx)
             local = None
+        index_q = self._index_queries(plan, hidden_states, q_resid)
         if plan.ragged:
             q_nope, q_pe = _take(q_nope, plan.q_index), _take(q_pe, plan.q_index)
-        out = self._attend_groups(plan, layer, q_nope, q_pe, local)  # [B, S, H, dv]
+        out = self._attend_groups(plan, layer, q_nope, q_pe, local, index_q)  # [B, S, H, dv]
         if plan.ragged:
             out = _take(out, plan.o_index)
         out = self.o_proj(out.reshape(batch, new, -1))
@@ -220,17 +239,31 @@ class MLAAttention(nn.Module):
             out = out.where(plan.valid[..., None], 0)
         return out
 
-    def _attend_groups(self, plan, layer, q_nope, q_pe, local) -> torch.Tensor:
+    def _index_queries(self, plan, hidden_states, q_resid):
+        """(q_idx [B,S,H_I,d_I], weights [B,S,H_I] fp32) in the ops' query order when a group of the
+        plan is sparse; else None (the indexer only caches keys while every query sees <= k)."""
+        if self.indexer is None or not any(g.path.startswith("sparse") for g in plan.groups):
+            return None
+        q_idx = self.indexer.queries(q_resid, plan.cos, plan.sin)
+        w = self.indexer.weights(hidden_states)
+        if plan.ragged:
+            q_idx, w = _take(q_idx, plan.q_index), _take(w, plan.q_index)
+        return q_idx, w
+
+    def _attend_groups(self, plan, layer, q_nope, q_pe, local, index_q=None) -> torch.Tensor:
         if len(plan.groups) == 1:
-            return self._attend_group(plan, plan.groups[0], layer, q_nope, q_pe, local)
+            return self._attend_group(plan, plan.groups[0], layer, q_nope, q_pe, local, index_q)
         out = q_nope.new_zeros(*q_nope.shape[:3], self.cfg.v_head_dim)
         for g in plan.groups:
-            o = self._attend_group(plan, g, layer, q_nope[g.rows], q_pe[g.rows], local)
+            iq = None if index_q is None else (index_q[0][g.rows], index_q[1][g.rows])
+            o = self._attend_group(plan, g, layer, q_nope[g.rows], q_pe[g.rows], local, iq)
             out = out.index_copy(0, g.rows, o)
         return out
 
-    def _attend_group(self, plan, g: RowGroup, layer, q_nope, q_pe, local) -> torch.Tensor:
+    def _attend_group(self, plan, g: RowGroup, layer, q_nope, q_pe, local, index_q=None) -> torch.Tensor:
         """One path over one row group's context (a view, a gather or pages read chunk by chunk)."""
+        if g.path.startswith("sparse"):
+            return self._attend_sparse(plan, g, layer, q_nope, q_pe, local, index_q)
         cache = plan.cache
         if isinstance(cache, PagedLatentCache):
             if g.path == "absorb":
@@ -241,6 +274,55 @@ class MLAAttention(nn.Module):
         else:
             c_kv, k_pe = cache.context(layer, g, g.key_len)
         return self.attend(g.path, q_nope, q_pe, c_kv, k_pe, g.kv_lens, g.key_len)[0]
+
+    def _attend_sparse(self, plan, g: RowGroup, layer, q_nope, q_pe, local, index_q) -> torch.Tensor:
+        """DSA over one row group: index scores over its cached indexer keys, top-k per query, then
+        absorb over the gathered selection (or the dense masked form, where the cost model says)."""
+        cache = plan.cache
+        if cache is None:
+            local = local if g.rows is None else tuple(t[g.rows] for t in local)
+            k_ctx = local[2][:, : g.key_len]
+        else:
+            k_ctx = cache.index_keys(layer, g, g.key_len)
+            if getattr(cache, "index_rotation", False):
+                # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
+                index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
+        scores = index_scores(*index_q, k_ctx, g.kv_lens, max_keys=g.key_len)  # [R, S, key_len]
+        picked = select_topk(scores, self.cfg.index_topk)  # [R, S, k]
+        w_uk, w_uv = self.up_weights()
+        if g.path == "sparse-absorb":
+            if cache is None:
+
+                def gather(rows):
+                    return gather_rows(local[0], rows), gather_rows(local[1], rows)
+
+            else:
+
+                def gather(rows):
+                    return cache.selected(layer, g, rows)
+
+            out, _ = sparse_absorb_gathered(q_nope, q_pe, gather, g.kv_lens, w_uk, w_uv, self.scale, picked)
+            return out
+        if cache is None:
+            c_kv, k_pe = local[0], local[1]
+        elif isinstance(cache, PagedLatentCache):
+            c_kv, k_pe = cache.gather(layer, g.read_rows)
+        else:
+            c_kv, k_pe = cache.context(layer, g, g.key_len)
+        out, _ = sparse_materialize(
+            q_nope,
+            q_pe,
+            c_kv,
+            k_pe,
+            g.kv_lens,
+            w_uk,
+            w_uv,
+            self.scale,
+            indices=picked,
+            workspace_tokens=self.workspace_tokens,
+            max_keys=g.key_len,
+        )
+        return out
 
     def _absorb_pages(self, plan, g: RowGroup, layer, q_nope, q_pe) -> torch.Tensor:
         """Absorb over one layer's pages: the fused kernel (block table, kv_lens on the device) or the
@@ -353,6 +435,13 @@ class MLAAttention(nn.Module):
             raise ValueError(f"cache holds dtype {cache.dtype}, layer computes in {self.dtype}")
         if cache.device != self.device:
             raise ValueError(f"cache is on {cache.device}, layer is on {self.device}")
+        if (cache.cfg.index_head_dim if cache.cfg.is_sparse else None) != (
+            self.cfg.index_head_dim if self.cfg.is_sparse else None
+        ):
+            raise ValueError(
+                f"cache keeps indexer keys of width {cache.cfg.index_head_dim}, layer produces "
+                f"{self.cfg.index_head_dim} (None: no indexer); build the cache from the layer's config"
+            )
         if self.layer_idx >= cache.num_layers:
             raise ValueError(
                 f"layer_idx {self.layer_idx} out of range: the cache holds {cache.num_layers} layers"

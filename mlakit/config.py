@@ -35,6 +35,11 @@ class MLAConfig:
     attention_bias: bool = False  # bias on q_a_proj, kv_a_proj_with_mqa and o_proj
     max_position_embeddings: int = 4096  # the model's context window (informational)
     name: str = field(default="custom", compare=False)  # preset or source name
+    # DeepSeek Sparse Attention (docs/sparse.md); all None: dense MLA
+    index_n_heads: int | None = None  # lightning-indexer heads H_I
+    index_head_dim: int | None = None  # indexer head width d_I; one d_I key per token is cached
+    index_topk: int | None = None  # tokens each query attends to (k)
+    indexer_rope_interleave: bool | None = None  # indexer rope pairs interleaved (GLM-5) or halves (V3.2)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_layers"):
@@ -52,6 +57,7 @@ class MLAConfig:
         )
         self.name = checks.text("name", self.name)
         self.rope_scaling = checks.rope_scaling(self.rope_scaling, self.rope_theta)
+        _check_indexer(self)
 
     @property
     def qk_head_dim(self) -> int:
@@ -62,6 +68,11 @@ class MLAConfig:
     def latent_dim(self) -> int:
         """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_sparse(self) -> bool:
+        """True for DeepSeek Sparse Attention (an indexer selects index_topk tokens per query)."""
+        return self.index_topk is not None
 
     @property
     def is_yarn(self) -> bool:
@@ -77,6 +88,10 @@ class MLAConfig:
                 m = yarn_mscale(self.rope_scaling["factor"], mscale_all_dim)
                 scale *= m * m
         return scale
+
+    def dense(self) -> MLAConfig:
+        """The same widths without the indexer (dense MLA)."""
+        return replace(self, **dict.fromkeys(_INDEXER_FIELDS))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +138,31 @@ class MLAConfig:
         raise ValueError(
             f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
             "nor an existing config.json or model folder"
+        )
+
+
+_INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "indexer_rope_interleave")
+
+
+def _check_indexer(cfg: MLAConfig) -> None:
+    """The DSA fields: all None (dense MLA) or all set, with a query latent and room for the rope dims."""
+    given = [f for f in _INDEXER_FIELDS if getattr(cfg, f) is not None]
+    if not given:
+        return
+    missing = [f for f in _INDEXER_FIELDS if getattr(cfg, f) is None]
+    if missing:
+        raise ValueError(
+            f"indexer fields are all-or-none: {', '.join(given)} set but {', '.join(missing)} missing"
+        )
+    for f in _INDEXER_FIELDS[:3]:
+        setattr(cfg, f, checks.positive_int(f, getattr(cfg, f)))
+    cfg.indexer_rope_interleave = checks.boolean("indexer_rope_interleave", cfg.indexer_rope_interleave)
+    if cfg.q_lora_rank is None:
+        raise ValueError("index_topk is set but q_lora_rank is None: indexer queries read the query latent")
+    if cfg.index_head_dim <= cfg.qk_rope_head_dim:
+        raise ValueError(
+            f"index_head_dim must be > qk_rope_head_dim ({cfg.qk_rope_head_dim}): its first "
+            f"qk_rope_head_dim dims are rotated, got {cfg.index_head_dim}"
         )
 
 
@@ -182,7 +222,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=163840,
     ),
     "deepseek-v3": dict(_V3_ATTN),
-    "deepseek-v3.2": dict(_V3_ATTN),
+    "deepseek-v3.2": dict(
+        _V3_ATTN, index_n_heads=64, index_head_dim=128, index_topk=2048, indexer_rope_interleave=False
+    ),
     "kimi-k2": dict(
         _V3_ATTN,
         num_heads=64,
@@ -215,6 +257,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1_000_000.0,
         rope_interleave=True,
         max_position_embeddings=202752,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        indexer_rope_interleave=True,
     ),
     "minicpm3-4b": dict(
         hidden_size=2560,
@@ -228,6 +274,121 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         rope_interleave=False,
         max_position_embeddings=32768,
+    ),
+    # the families below: widths from the transformers 5.24 config class defaults, which its docstring
+    # says mirror the named checkpoint (e.g. YoutuConfig → tencent/Youtu-LLM-2B); num_layers counts the
+    # MLA layers only (what the latent cache holds)
+    "youtu-llm-2b": dict(  # YoutuConfig
+        hidden_size=2048,
+        num_heads=16,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=32,
+        rope_interleave=True,
+        max_position_embeddings=131072,
+    ),
+    "ax-k1": dict(_V3_ATTN, num_heads=64, rope_scaling=None, max_position_embeddings=32768),  # AXK1Config
+    "mistral-small-4": dict(  # Mistral4Config (mistralai/Mistral-Small-4-119B-2603)
+        hidden_size=4096,
+        num_heads=32,
+        q_lora_rank=1024,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=36,
+        rope_scaling=_yarn(128, 8192, 1.0, 1.0),
+        rope_interleave=True,
+        max_position_embeddings=1048576,
+    ),
+    "longcat-flash": dict(  # LongcatFlashConfig (meituan-longcat/LongCat-Flash-Chat): 2 MLA per layer
+        _V3_ATTN,
+        hidden_size=6144,
+        num_heads=64,
+        num_layers=56,
+        rope_theta=10_000_000.0,
+        rope_scaling=None,
+        max_position_embeddings=131072,
+    ),
+    "kimi-linear-48b": dict(  # KimiLinearConfig (moonshotai/Kimi-Linear-48B-A3B-Instruct): NoPE MLA
+        hidden_size=2304,
+        num_heads=32,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=6,  # 6 of 27 layers are MLA, the rest KDA linear attention
+        max_position_embeddings=1048576,
+    ),
+    "ling-3-flash": dict(  # BailingHybridConfig (inclusionAI/Ling-3.0-Flash)
+        hidden_size=2560,
+        num_heads=32,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=7,  # 7 of 42 layers are MLA, the rest linear attention
+        rope_theta=6_000_000.0,
+        rope_interleave=True,
+        max_position_embeddings=262144,
+    ),
+    "hy4-preview": dict(  # HYV4Config (tencent/Hy4-preview); DSA, refused by mlakit.hf for now
+        hidden_size=2816,
+        num_heads=32,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        num_layers=34,
+        max_position_embeddings=262144,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=2048,
+        indexer_rope_interleave=False,
+    ),
+    "ax-k2": dict(  # AXK2Config (skt/A.X-K2); DSA, refused by mlakit.hf for now
+        hidden_size=2048,
+        num_heads=32,
+        q_lora_rank=384,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_layers=48,
+        rope_interleave=True,
+        max_position_embeddings=131072,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=2048,
+        indexer_rope_interleave=False,
+    ),
+    "mistral-large-4": dict(  # MistralLarge4TextConfig (mistralai/Mistral-Large-4-1T-A52B); dense widths:
+        # its indexer runs without a q_lora latent, which MLAConfig cannot describe; DSA, refused
+        hidden_size=6144,
+        num_heads=64,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=72,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 2048.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "attention_factor": 1.0,
+        },
+        rope_interleave=True,
+        rms_norm_eps=1e-5,  # its latent norms take config.rms_norm_eps
+        max_position_embeddings=1048576,
     ),
 }
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from mlakit.config import MLAConfig
-from mlakit.cost import crossover
+from mlakit.cost import choose_sparse, crossover
 
 Mode = Literal["auto", "absorb", "materialize"]
 MODES = ("auto", "absorb", "materialize")
@@ -36,6 +36,17 @@ def choose(
     if point is None or new < point:
         return "absorb"
     return "materialize"
+
+
+def sparse_path(cfg: MLAConfig, new: int, cached: int, mode: str) -> str | None:
+    """DSA: "sparse-absorb" or "sparse-materialize" when some of the new queries sees more than
+    index_topk keys (`mode` "auto": the cheaper by the sparse cost model), else None: every query sees
+    at most k keys and DSA is dense attention (`choose` decides)."""
+    if not cfg.is_sparse or cached + new <= cfg.index_topk:
+        return None
+    if mode == "auto":
+        return choose_sparse(cfg, new, cached)
+    return f"sparse-{mode}"
 
 
 def _widths(cfg: MLAConfig) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import platform
 import socket
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -107,6 +108,20 @@ def measure_machine(device: str = "cpu", name: str | None = None) -> MachineProf
     )
 
 
+def effective_machine(machine: MachineProfile | None, device: str = "cpu") -> MachineProfile | None:
+    """The peaks mlakit's matmuls can reach here: where bf16 is computed in fp32 (a CPU without
+    native bf16 GEMMs, see mlakit.ops.common.compute_dtype), bf16 work runs at the fp32 peak."""
+    from mlakit.ops.common import compute_dtype
+
+    if machine is None or compute_dtype(torch.bfloat16, device) == torch.bfloat16:
+        return machine
+    if "bf16_native_flops" in machine.extra:
+        return machine
+    peaks = {**machine.peak_flops, "bf16": machine.peak_flops["fp32"]}
+    extra = {**machine.extra, "bf16_native_flops": machine.peak_flops["bf16"]}
+    return replace(machine, name=f"{machine.name} (bf16 computed in fp32)", peak_flops=peaks, extra=extra)
+
+
 def default_profile_path(device: str = "cpu") -> str:
     """$MLAKIT_CACHE_DIR, else $XDG_CACHE_HOME/mlakit, else ~/.cache/mlakit; one file per host and device."""
     root = os.environ.get("MLAKIT_CACHE_DIR") or os.path.join(
@@ -116,7 +131,8 @@ def default_profile_path(device: str = "cpu") -> str:
 
 
 def local_profile(device: str = "cpu", refresh: bool = False) -> MachineProfile:
-    """This machine's profile: read from the cache folder, or measured (a few seconds) and saved there."""
+    """This machine's profile: read from the cache folder, or measured (a few seconds) and saved there.
+    It holds the native peaks; `effective_machine(profile)` gives the rates mlakit runs at."""
     path = default_profile_path(device)
     if os.path.isfile(path) and not refresh:
         return MachineProfile.load(path)

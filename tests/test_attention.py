@@ -401,5 +401,4 @@ def test_bf16_error_against_float64(capsys):
     between = rel_error(outs["absorb"], outs["materialize"])[2]
     lines.append(f"bf16 absorb vs materialize: rel diff {between:.2e}")
     assert between < 3e-2
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+    print("\n".join(lines))  # shown by pytest when the test fails (or with -rP), not between the dots

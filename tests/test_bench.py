@@ -121,10 +121,23 @@ def test_time_step_counts_calls():
     from mlakit.bench.backends import Step
 
     stats = time_step(
-        Step(run, reset), torch.device("cpu"), Timing(warmup=2, repeats=3, min_repeats=3, budget_s=60)
+        Step(run, reset),
+        torch.device("cpu"),
+        Timing(warmup=2, repeats=3, min_repeats=3, budget_s=60, noisy_spread=1e9),
     )
     assert stats.repeats == 3 and calls == {"run": 5, "reset": 5}
     assert stats.ms_min <= stats.ms_median <= stats.ms_max
+
+
+def test_noisy_cells_take_more_calls():
+    import time
+
+    from mlakit.bench.backends import Step
+
+    pauses = iter([0.001, 0.008] * 20)
+    timing = Timing(warmup=0, repeats=3, min_repeats=3, budget_s=60, noisy_spread=0.2, noisy_repeats=7)
+    stats = time_step(Step(lambda: time.sleep(next(pauses))), torch.device("cpu"), timing)
+    assert stats.repeats == 7 and stats.spread > 0.2
 
 
 @pytest.mark.parametrize(

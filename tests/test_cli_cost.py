@@ -40,7 +40,9 @@ def hf_config(path, **changes) -> str:
 
 
 def test_crossover_json(capsys):
-    r = run_json(capsys, "crossover", "--model", "deepseek-v3", "--context", "4096")
+    r = run_json(
+        capsys, "crossover", "--model", "deepseek-v3", "--context", "4K", "--counting", "independent"
+    )
     assert {"model", "context", "exact", "asymptotic"} <= set(r)
     assert r["model"] == "deepseek-v3" and r["context"] == 4096
     assert r["exact"] == pytest.approx(V3_4096, rel=1e-12)
@@ -60,6 +62,14 @@ def test_crossover_null_and_roofline(capsys, tmp_path):
     assert r["counting"] == "causal" and r["exact"] == r["by_counting"]["causal"]["exact"]
     assert r["asymptotic"] == pytest.approx(512 * 448 / 576)
     assert r["roofline"]["exact"] > 0
+
+
+def test_crossover_default_counting_is_the_benchs(capsys):
+    from mlakit.cost import DEFAULT_COUNTING
+
+    r = run_json(capsys, "crossover", "--model", "deepseek-v3", "--context", "1024")
+    assert r["counting"] == DEFAULT_COUNTING == "causal"
+    assert r["exact"] == r["by_counting"]["causal"]["exact"]
 
 
 def test_crossover_text(capsys):
@@ -89,7 +99,18 @@ def test_cache_fp8_and_groups(capsys):
 
 
 def test_cost_json(capsys):
-    r = run_json(capsys, "cost", "--model", "deepseek-v3", "--context", "4096", "--new", "1")
+    r = run_json(
+        capsys,
+        "cost",
+        "--model",
+        "deepseek-v3",
+        "--context",
+        "4096",
+        "--new",
+        "1",
+        "--counting",
+        "independent",
+    )
     assert set(r["terms"]) == {"materialize", "absorb", "shared"}
     assert set(r["terms"]["materialize"]) == {"expand_k", "expand_v", "scores", "weighted_sum"}
     assert set(r["terms"]["absorb"]) == {"fold_q", "scores", "mix_latents", "unfold_v"}

@@ -23,15 +23,32 @@ WIDTH_FIELDS = (
     "qk_rope_head_dim",
     "v_head_dim",
     "num_layers",
+    "hidden_size",
+    "q_lora_rank",
 )
 CUSTOM = {  # odd widths, and one with 2L < nope + v (no long-context crossover)
     "odd": dict(
-        num_heads=6, kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16, num_layers=3
+        num_heads=6,
+        kv_lora_rank=40,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_layers=3,
+        hidden_size=64,
+        q_lora_rank=0,
     ),
     "wide-heads": dict(
-        num_heads=4, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_layers=2
+        num_heads=4,
+        kv_lora_rank=64,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=2,
+        hidden_size=96,
+        q_lora_rank=32,
     ),
 }
+MEASURED = {"name": "bench-box", "peak_flops": {"fp32": 8.9e10, "bf16": 8.9e10}, "memory_bandwidth": 1.6e10}
 
 
 def bench_results() -> dict:
@@ -47,13 +64,21 @@ def bench_results() -> dict:
                     rows.append(
                         dict(backend=backend, batch=batch, new=new, cached=cached, dtype="bf16", ms_median=ms)
                     )
-    return {"schema": "mlakit-bench-results/1", "model": "deepseek-v3", "rows": rows}
+    return {
+        "schema": "mlakit-bench-results/1",
+        "model": "deepseek-v3",
+        "dtype": "bf16",
+        "machine": dict(MEASURED, source="synthetic", extra={}),
+        "rows": rows,
+    }
 
 
 def preset_or_custom(name: str) -> MLAConfig:
     if name in PRESETS:
         return MLAConfig.preset(name)
-    return MLAConfig(hidden_size=64, q_lora_rank=None, **CUSTOM[name])
+    widths = dict(CUSTOM[name])
+    widths["q_lora_rank"] = widths["q_lora_rank"] or None
+    return MLAConfig(**widths)
 
 
 # --- the file itself (no browser needed)
@@ -73,6 +98,8 @@ def test_writer_sends_inputs_not_figures():
     assert set(inputs) == {
         "presets",
         "start",
+        "machines",
+        "counting_default",
         "context_range",
         "new_range",
         "gqa_groups",
@@ -82,7 +109,24 @@ def test_writer_sends_inputs_not_figures():
     assert set(inputs["presets"]) == set(PRESETS)
     for widths in inputs["presets"].values():
         assert set(widths) == set(WIDTH_FIELDS)
-    assert inputs["start"] == {"model": "deepseek-v3", "context": 4096}
+    assert inputs["start"] == {
+        "model": "deepseek-v3",
+        "context": 4096,
+        "counting": "causal",
+        "machine": "none",
+    }
+    assert set(inputs["machines"]) == set(cost.MACHINES) and inputs["context_range"][0] == 1
+
+
+def test_page_opens_at_a_measured_cell():
+    inputs = explorer_inputs(bench_results())
+    assert inputs["start"] == {
+        "model": "deepseek-v3",
+        "context": 32768,
+        "counting": "causal",
+        "machine": "measured",
+    }
+    assert inputs["machines"]["measured"]["name"] == "bench-box"
     html = render_explorer()
     for figure in ("163.8", "170.6", "70272", "70,272", "40960"):  # what the page shows on opening
         assert figure not in html
@@ -195,6 +239,10 @@ return {
   measured: v('crossover-measured'), predicted: v('crossover-predicted'), bench_cached: v('bench-cached'),
   measured_lines: document.querySelectorAll('[id^=line-measured-]').length,
   context: document.getElementById('context').value, model: document.getElementById('model').value,
+  roofline: v('crossover-roofline'), machine: document.getElementById('machine').value,
+  hash: location.hash, stale: document.getElementById('chart').classList.contains('stale'),
+  dots: [...document.querySelectorAll('#chart circle.dot')]
+    .map((c) => [c.dataset.new, c.dataset.ms, c.getAttribute('cy')]),
 };
 """
 
@@ -220,9 +268,14 @@ def assert_tokens(name: str, got_value: str, got_text: str, want: float | None) 
 
 
 @pytest.mark.browser
-def test_opens_on_deepseek_v3_at_4096(page):
+def test_opens_at_the_measured_cell_on_the_measured_machine(page):
     s = read(page)
-    assert (s["model"], s["context"]) == ("deepseek-v3", "4096")
+    assert (s["model"], s["context"], s["machine"]) == ("deepseek-v3", "32768", "measured")
+    assert int(s["bench_cached"]) == 32768 and s["measured_lines"] == 2
+    set_control(page, "machine", "none")
+    set_control(page, "context", 4096)
+    set_control(page, "counting", "independent")
+    s = read(page)
     assert s["exact_text"] == "163.8 tokens" and s["limit_text"] == "170.7 tokens"
     assert s["rows"]["mla"]["bytes-per-token"]["text"] == "70.3 kB"
     assert s["rows"]["mla"]["values"]["text"] == "576" and s["rows"]["expanded"]["values"]["text"] == "40,960"
@@ -245,7 +298,7 @@ def test_crossover_box_equals_cost_over_a_grid(page):
                 assert_tokens(f"exact, {where}", s["exact"], s["exact_text"], want.exact)
                 assert_tokens(f"limit, {where}", s["limit"], s["limit_text"], want.asymptotic)
                 assert s["marker_new"] == ("none" if want.exact is None else s["exact"])
-    set_control(page, "counting", "independent")
+    set_control(page, "counting", "causal")
 
 
 @pytest.mark.browser
@@ -259,7 +312,7 @@ def test_cache_panel_equals_cost_over_a_grid(page):
                 set_control(page, "dtype", dtype)
                 s = read(page)
                 rows = s["rows"]
-                want = cost.cache_economics(cfg, context, dtype, gqa_groups=(8,))
+                want = cost.cache_economics(cfg, context, dtype, gqa_groups=(4, 8))
                 assert s["kinds"] == list(want["values_per_token_per_layer"]), f"{name} {dtype}"
                 for kind, r in rows.items():
                     where = f"{name} {kind} {dtype} at {context}"
@@ -279,11 +332,14 @@ def test_gqa_groups_and_equivalence(page):
     set_control(page, "context", 4096)
     s = read(page)
     assert float(s["gqa_equivalent"]) == 2.25
+    assert {"gqa4", "gqa8"} <= set(s["rows"])
     set_control(page, "gqa-groups", 3)  # 128 heads: 3 does not divide them
     s = read(page)
-    assert "gqa3" not in s["rows"] and "gqa8" not in s["rows"]
+    assert "gqa3" not in s["rows"] and {"gqa4", "gqa8"} <= set(s["rows"])
     assert "not defined" in page.find_element("id", "gqa-note").text
-    set_control(page, "gqa-groups", 16)
+    set_control(page, "gqa-groups", ",,,")
+    assert "GQA groups must be" in read(page)["error"]
+    set_control(page, "gqa-groups", "16,32")
     want = cost.cache_economics(MLAConfig.preset("deepseek-v3"), 4096, "bf16", gqa_groups=(16,))
     assert (
         int(read(page)["rows"]["gqa16"]["bytes-per-sequence"]["value"]) == want["bytes_per_sequence"]["gqa16"]
@@ -297,6 +353,9 @@ def test_moving_the_controls_updates_box_and_chart(page):
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
+    set_control(page, "machine", "none")
+    set_control(page, "counting", "independent")
+    set_control(page, "context", 4096)
     before = read(page)
     Select(page.find_element("id", "model")).select_by_value("glm-5")
     glm = read(page)
@@ -334,18 +393,29 @@ def test_moving_the_controls_updates_box_and_chart(page):
     assert custom["model"] == "custom"
     wide = MLAConfig.preset("glm-5").replace(kv_lora_rank=1024, name="custom")
     assert_tokens("custom latent", custom["exact"], custom["exact_text"], cost.crossover(wide, 65536).exact)
+    set_control(page, "counting", "causal")
 
 
 @pytest.mark.browser
-def test_bad_input_says_so_and_keeps_the_figures(page):
+def test_bad_input_says_so_keeps_the_figures_and_clears_on_good_input(page):
     good = read(page)
-    set_control(page, "context", 100)
+    set_control(page, "context", 0)
     bad = read(page)
-    assert "context must be a whole number of tokens from 512" in bad["error"]
+    assert "context must be a whole number of tokens from 1" in bad["error"] and bad["stale"]
     assert bad["exact"] == good["exact"]
-    set_control(page, "context", 4096)
+    set_control(page, "context", 1)  # one cached token is a context too
+    one = read(page)
+    assert one["error"] == "" and not one["stale"]
+    assert_tokens(
+        "context 1",
+        one["exact"],
+        one["exact_text"],
+        cost.crossover(MLAConfig.preset("deepseek-v3"), 1, "causal").exact,
+    )
     set_control(page, "custom-qk_rope_head_dim", 3)
     assert "qk_rope_head_dim must be even" in read(page)["error"]
+    set_control(page, "custom-qk_rope_head_dim", 64)
+    assert read(page)["error"] == ""
 
 
 @pytest.mark.browser
@@ -360,7 +430,7 @@ def test_bench_overlay_equals_measured_crossover(page):
         want = cost.measured_crossover(rows, cached, batch, "bf16")
         assert want is not None and 1 < want < 16384
         assert math.isclose(float(s["measured"]), want, rel_tol=1e-9), (context, batch)
-        assert math.isclose(float(s["predicted"]), cost.crossover(v3, cached).exact, rel_tol=1e-9)
+        assert math.isclose(float(s["predicted"]), cost.crossover(v3, cached, "causal").exact, rel_tol=1e-9)
         assert s["measured_lines"] == 2
     choose_model(page, "kimi-k2")  # measured on deepseek-v3: the overlay steps aside
     s = read(page)
@@ -372,8 +442,106 @@ def test_bench_overlay_equals_measured_crossover(page):
 def test_page_without_bench_hides_the_panel(driver, tmp_path):
     driver.get("file://" + write_explorer(str(tmp_path / "plain.html")))
     assert not driver.find_element("id", "bench").is_displayed()
-    assert read(driver)["exact_text"] == "163.8 tokens"
+    s = read(driver)
+    assert (s["context"], s["machine"]) == ("4096", "none")
+    assert (
+        s["exact_text"]
+        == f"{cost.crossover(MLAConfig.preset('deepseek-v3'), 4096, 'causal').exact:.1f} tokens"
+    )
     assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def step_ms(cfg, mode, batch, new, cached, dtype, machine) -> float:
+    """What a bench row's step costs under the roofline (mlakit.bench.costs, causal counting)."""
+    from mlakit.bench import costs
+
+    row = {"batch": batch, "new": new, "cached": cached}
+    macs, nbytes = costs.row_terms(cfg, row, dtype, mode, None)
+    return 1e3 * sum(t["time_s"] for t in cost.term_times(macs, nbytes, machine, dtype).values())
+
+
+@pytest.mark.browser
+def test_measured_and_predicted_share_one_time_axis(page):
+    machine = cost.MachineProfile(**MEASURED)
+    v3 = MLAConfig.preset("deepseek-v3")
+    for batch, cached in ((1, 1024), (8, 32768)):
+        set_control(page, "bench-batch", batch)
+        set_control(page, "context", cached)
+        s = read(page)
+        want = cost.roofline_crossover(v3, cached, machine, "bf16", "causal")
+        assert math.isclose(float(s["roofline"]), want, rel_tol=1e-6)
+        rows = cost.validate_results(bench_results())["rows"]
+        for new in (1, 64):
+            page.execute_script("showReadout(arguments[0])", new)
+            got = page.execute_script("return {...document.getElementById('readout').dataset}")
+            for mode in ("materialize", "absorb"):
+                want_ms = step_ms(v3, mode, batch, new, cached, "bf16", machine)
+                assert math.isclose(float(got[mode]), want_ms, rel_tol=1e-9), (mode, batch, cached, new)
+        # the measured dots sit on the axis the predicted lines use
+        mine = [r for r in rows if (r["batch"], r["cached"]) == (batch, cached) and r["backend"] != "mha"]
+        assert len(s["dots"]) == len(mine)
+        for _, ms, cy in s["dots"]:
+            at = page.execute_script(
+                "return document.getElementById('chart').yScale.at(arguments[0])", float(ms)
+            )
+            assert math.isclose(float(cy), at, rel_tol=1e-9)
+
+
+@pytest.mark.browser
+def test_hover_reads_out_the_point_under_the_mouse(page):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    set_control(page, "machine", "none")
+    set_control(page, "counting", "causal")
+    set_control(page, "context", 4096)
+    chart = page.find_element("id", "chart")
+    ActionChains(page).move_to_element(chart).perform()  # the middle of the chart
+    got = page.execute_script("return {...document.getElementById('readout').dataset}")
+    n = int(got["new"])
+    assert 1 < n < 16384
+    v3 = MLAConfig.preset("deepseek-v3")
+    for mode in ("materialize", "absorb"):
+        assert float(got[mode]) == cost.path_macs(v3, mode, n, 4096, "causal")
+    assert f"new {n:,}" in page.find_element("id", "readout").text
+    page.execute_script("showCrossReadout(700)")
+    x = page.execute_script("return {...document.getElementById('xreadout').dataset}")
+    assert math.isclose(float(x["value"]), cost.crossover(v3, 700, "causal").exact, rel_tol=1e-12)
+
+
+@pytest.mark.browser
+def test_machine_picker_matches_the_cli(page):
+    options = page.execute_script(
+        "return [...document.getElementById('machine').options].map((o) => o.value)"
+    )
+    assert options == ["none", *cost.MACHINES, "measured"]
+    v3 = MLAConfig.preset("deepseek-v3")
+    for name in cost.MACHINES:
+        set_control(page, "machine", name)
+        set_control(page, "context", 4096)
+        want = cost.roofline_crossover(v3, 4096, name, "bf16", "causal")
+        assert math.isclose(float(read(page)["roofline"]), want, rel_tol=1e-6), name
+
+
+@pytest.mark.browser
+def test_the_url_keeps_the_view(driver, page_url):
+    driver.get(page_url)
+    set_control(driver, "model", "glm-5")
+    set_control(driver, "context", 777)
+    set_control(driver, "counting", "independent")
+    set_control(driver, "machine", "h200")
+    set_control(driver, "gqa-groups", "2,4")
+    link = driver.current_url
+    assert "context=777" in link and "machine=h200" in link
+    driver.get("about:blank")
+    driver.get(link)
+    s = read(driver)
+    assert (s["model"], s["context"], s["machine"]) == ("glm-5", "777", "h200")
+    assert driver.find_element("id", "counting").get_attribute("value") == "independent"
+    assert "gqa2" in s["rows"]
+    assert_tokens(
+        "from link", s["exact"], s["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 777).exact
+    )
+    driver.get(page_url)  # the other tests start from the plain page
 
 
 def test_ci_installs_chromium():

@@ -4,6 +4,13 @@ CrossoverProfile that `mode="auto"` follows.
 Per context the new-token count grows by `step`× from 1 while absorb is faster, stops once
 materialize has won at two counts in a row (or at `max_new`), and one more count is timed at the
 geometric middle of the bracket; the crossover is read from those times like the bench's.
+
+Then it checks itself: both ends of the bracket are timed twice more, the two paths call by call in
+turn. Where both re-timings contradict the first, the first was the outlier and the re-timed figures
+replace it; where the two re-timings contradict each other, the context is noise, not a crossover,
+and is left out of the profile (named in `extra["unmeasured"]`). Crossovers that fall with context by
+more than the noise allows, or jump, are named in `extra["warnings"]`. With no context left,
+calibrate refuses to save a profile.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from mlakit.bench.grid import Cell, Grid
 from mlakit.bench.progress import progress
 from mlakit.bench.run import torch_threads
 from mlakit.bench.sweep import gate, time_cell
-from mlakit.bench.timing import DEFAULT_TIMING, Timing
+from mlakit.bench.timing import DEFAULT_TIMING, Timing, time_interleaved
 from mlakit.calibration import CrossoverProfile, profile_path, widths_of
 from mlakit.config import MLAConfig
 from mlakit.cost import measured_crossover
@@ -74,9 +81,19 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
             bar.update()
     finally:
         bar.close()
-    points = tuple(
-        (t, measured_crossover(rows, t, opts.batch, opts.dtype)) for t in sorted(set(opts.contexts))
-    )
+    measured = {t: measured_crossover(rows, t, opts.batch, opts.dtype) for t in sorted(set(opts.contexts))}
+    unmeasured = {t: why for t in measured if (why := _confirm(ctx, opts, t, rows, measured[t]))}
+    measured = {t: measured_crossover(rows, t, opts.batch, opts.dtype) for t in measured}  # after re-timing
+    points = tuple((t, x) for t, x in measured.items() if t not in unmeasured)
+    if not points:
+        detail = "; ".join(f"cached {t}: {why}" for t, why in unmeasured.items())
+        raise ValueError(
+            f"calibrate could not measure a consistent crossover at any context ({detail}); the machine is "
+            "too noisy: try --threads 1, or a quieter moment. Nothing saved."
+        )
+    extra = _extra(opts, rows)
+    extra["unmeasured"] = {str(t): why for t, why in unmeasured.items()}
+    extra["warnings"] = monotone_warnings(points, opts.max_new)
     profile = CrossoverProfile(
         model=cfg.name,
         widths=widths_of(cfg),
@@ -85,9 +102,69 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
         points=points,
         max_new=max(r["new"] for r in rows),
         machine=None if machine is None else machine.to_dict(),
-        extra=_extra(opts, rows),
+        extra=extra,
     )
     return profile, rows
+
+
+def _confirm(ctx: BenchContext, opts: CalibrateOptions, cached: int, rows: list[dict], cross) -> str | None:
+    """Time the bracket's ends twice more, both paths in turn (rows updated where both re-timings
+    overturn the first); a reason when the re-timings disagree beyond the noise, else None."""
+    mine = sorted({r["new"] for r in rows if r["cached"] == cached})
+    if cross is None:
+        ends = [(mine[-1], "absorb")]
+    else:
+        below = [n for n in mine if n < cross]
+        ends = ([(below[-1], "absorb")] if below else []) + [
+            (min(n for n in mine if n >= cross), "materialize")
+        ]
+    for n, want in ends:
+        cell = Cell(opts.batch, cached, n)
+        x = ctx.inputs(cell)
+        with torch.inference_mode():
+            steps = [BACKENDS[name].prepare(ctx, cell, x) for name in (ABSORB, MATERIALIZE)]
+            timed = [time_interleaved(steps, ctx.device, opts.timing) for _ in range(2)]
+        votes = [_verdict(a, m)[0] for a, m in timed]
+        if "tie" not in votes and votes[0] != votes[1]:
+            return f"at {n} new tokens two re-timings in turn disagree ({votes[0]}, then {votes[1]} faster)"
+        if all(v not in (want, "tie") for v in votes):
+            _replace(rows, cached, n, timed[-1])  # the first timing was the outlier: keep the steadier one
+    return None
+
+
+def _replace(rows: list[dict], cached: int, n: int, stats) -> None:
+    for row in rows:
+        if row["cached"] == cached and row["new"] == n:
+            s = stats[0] if row["backend"] == ABSORB else stats[1]
+            row.update(
+                ms_median=s.ms_median, ms_min=s.ms_min, ms_max=s.ms_max, repeats=s.repeats, retimed=True
+            )
+    return None
+
+
+def _verdict(a, m) -> tuple[str, float, float]:
+    """Which path was faster, or "tie" within the calls' own spread (at least 5%)."""
+    if abs(m.ms_median / a.ms_median - 1) <= max(a.spread, m.spread, 0.05):
+        return "tie", a.ms_median, m.ms_median
+    return ("absorb" if a.ms_median < m.ms_median else "materialize"), a.ms_median, m.ms_median
+
+
+def monotone_warnings(points, max_new: int, noise: float = 0.5) -> list[str]:
+    """The crossover barely moves with context (docs/cost-model.md): a fall beyond `noise` or a
+    jump past 3x between neighbouring contexts is named."""
+    out = []
+    for (t0, x0), (t1, x1) in zip(points, points[1:], strict=False):
+        a = float("inf") if x0 is None else x0
+        b = float("inf") if x1 is None else x1
+        if b < a * (1 - noise):
+            out.append(f"crossover falls from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
+        elif a != float("inf") and b > 3 * a:
+            out.append(f"crossover jumps from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
+    return out
+
+
+def _shown(x, max_new: int) -> str:
+    return f"> {max_new}" if x is None else f"{x:.1f}"
 
 
 def _machine(device: str):

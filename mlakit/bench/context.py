@@ -42,6 +42,8 @@ class BenchContext:
         self.device = torch.device(self.device)
         dtype_name(self.dtype)
         torch.manual_seed(self.seed)
+        # dense MLA at the model's widths: a DSA preset's sparse rows are not part of this sweep yet
+        self.cfg = self.cfg.dense()
         self.layer = BenchLayer(self.cfg, dtype=self.dtype, device=self.device).eval()
 
     @property

@@ -33,9 +33,51 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     return paths
 
 
+def token_label(v: float) -> str:
+    """1, 16, 256, 1K, 4K, 1M: how a token count reads on an axis."""
+    v = int(round(v))
+    if v >= 1 << 20 and v % (1 << 20) == 0:
+        return f"{v >> 20}M"
+    if v >= 1024 and v % 1024 == 0:
+        return f"{v >> 10}K"
+    return str(v)
+
+
+def value_label(v: float) -> str:
+    """A plain number for a log axis of ms or ratios: 0.5, 2, 30, 400, 5000."""
+    return f"{v:g}"
+
+
+def _token_axis(ax, values) -> None:
+    """A log2 axis whose ticks are the measured counts, labelled 1, 16, 1K, ..."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ticks = sorted(set(values))
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: token_label(v)))
+    if len(ticks) == 1:
+        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+
+
+def _value_axis(ax) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: value_label(v)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _legend_outside(ax) -> None:
+    """Beside the plot, never over a line."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+
+
 def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return os.path.abspath(path)
 
@@ -51,30 +93,36 @@ def _series(rows, backend, batch, cached):
 
 def _time_vs_new(plt, doc: dict, batch: int):
     points = [c for c in doc["summary"]["crossover"] if c["batch"] == batch]
-    fig, axes = plt.subplots(1, len(points), figsize=(4.2 * len(points), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(points), figsize=(5.6 * len(points), 3.6), squeeze=False)
     for ax, c in zip(axes[0], points, strict=True):
+        news = []
         for backend in (ABSORB, MATERIALIZE):
             x, y = _series(doc["rows"], backend, batch, c["context"])
-            ax.plot(x, y, "o-", color=COLORS[backend], label=backend[7:])
+            news += x
+            ax.plot(x, y, "o-", color=COLORS[backend], label=backend[7:] + " (measured)")
+        counting = c.get("counting", "causal")
+        names = {"measured": "measured", "flop_model": f"FLOP model ({counting})", "roofline": "roofline"}
         for key, style in (("measured", "-"), ("flop_model", "--"), ("roofline", ":")):
             if c[key] is not None and c[key] >= 1:
                 ax.axvline(
-                    c[key], color="gray", linestyle=style, label=f"{key.replace('_', ' ')} {c[key]:.0f}"
+                    c[key], color="gray", linestyle=style, label=f"crossover, {names[key]}: {c[key]:.0f}"
                 )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+                news.append(c[key])
+        _token_axis(ax, [n for n in news if float(n).is_integer()] or news)
+        ax.set_xlim(min(news) / 1.5, max(news) * 1.5)
+        _value_axis(ax)
         ax.set_xlabel("new tokens per step")
         measured = f"> {c['measured_max_new']}" if c["measured"] is None else f"{c['measured']:.0f}"
-        ax.set_title(f"cached {c['context']}: measured crossover {measured}", fontsize=9)
+        ax.set_title(f"cached {token_label(c['context'])}: measured crossover {measured}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(f"one layer step, ms ({doc['dtype']}, batch {batch})")
+        _legend_outside(ax)
+    axes[0][0].set_ylabel(f"one layer step, median ms ({doc['dtype']}, batch {batch})")
     fig.suptitle(f"{doc['model']}: absorb vs materialize on {doc['env']['device_name']}", fontsize=9)
     return fig
 
 
 def _speedup(plt, doc: dict):
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
     decode = doc["summary"]["decode"]
     names = sorted({k for d in decode for k in d["slower_than_absorb"]} - {"mlakit-auto"})
     for batch in sorted({d["batch"] for d in decode}):
@@ -86,11 +134,11 @@ def _speedup(plt, doc: dict):
             if pts:
                 ax.plot(*zip(*pts, strict=True), "o-", label=f"vs {name} (batch {batch})")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    _token_axis(ax, [d["context"] for d in decode])
+    _value_axis(ax)
     ax.set_xlabel("cached tokens")
-    ax.set_ylabel("absorb's speedup at decode (x)")
-    ax.set_title(f"{doc['model']}, {doc['dtype']}: decode step, others' time / absorb's", fontsize=9)
+    ax.set_ylabel("backend's decode step time / absorb's\n(> 1: absorb faster)")
+    ax.set_title(f"{doc['model']}, {doc['dtype']}: decode step against mlakit-absorb", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
+    _legend_outside(ax)
     return fig

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from mlakit.bench.backends import BACKENDS
-from mlakit.bench.summary import ABSORB, AUTO, MATERIALIZE, index
+from mlakit.bench.summary import ABSORB, AUTO, MATERIALIZE, index, unreliable
 
 
 def _ms(row: dict | None) -> str:
-    return "—" if row is None else f"{row['ms_median']:.1f}"
+    """Median ms, with '~' after it where the calls spread beyond the noise threshold."""
+    if row is None:
+        return "—"
+    return f"{row['ms_median']:.1f}" + ("~" if row.get("noisy") else "")
 
 
 def _tok(x: float | None, limit: int | None = None) -> str:
@@ -21,10 +24,15 @@ def header(doc: dict) -> list[str]:
     v = env["versions"]
     lines = [
         f"mlakit bench: {doc['model']} one layer, {doc['dtype']}, on {env['device_name']} ({env['device']}), "
-        f"{env['threads']} threads, torch {v['torch']}, transformers {v.get('transformers') or 'absent'}",
-        f"times: median of up to {t['repeats']} calls after {t['warmup']} warm-up (min–max in results); "
-        "shared machine: expect noise",
+        f"{env['threads']} thread{'s' if env['threads'] != 1 else ''}, torch {v['torch']}, "
+        f"transformers {v.get('transformers') or 'absent'}",
+        f"times: median of {_calls(t)} calls after {t['warmup']} warm-up, up to "
+        f"{t.get('noisy_repeats', t['repeats'])} where they spread over "
+        f"{100 * t.get('noisy_spread', 0.2):.0f}% (min–max in results); '~' marks a cell still that noisy",
     ]
+    state = env.get("machine_state")
+    if state:
+        lines.insert(1, f"threads: {state['reason']}")
     m = doc.get("machine")
     if m:
         peak = m["peak_flops"].get("fp32" if doc["dtype"] == "fp32" else "bf16")
@@ -38,6 +46,11 @@ def header(doc: dict) -> list[str]:
     for s in doc["skipped"]:
         lines.append(f"skipped {s['backend']}: {s['reason']}")
     return lines
+
+
+def _calls(t: dict) -> str:
+    lo, hi = t["min_repeats"], t["repeats"]
+    return str(hi) if lo == hi else f"{lo}–{hi}"
 
 
 def path_table(doc: dict) -> list[str]:
@@ -83,12 +96,17 @@ def _x(v: float | None) -> str:
 
 def summary_lines(doc: dict) -> list[str]:
     s = doc["summary"]
-    lines = ["crossover (new tokens from which materialize is faster), measured vs predicted:"]
+    counting = s["crossover"][0].get("counting", "causal") if s["crossover"] else "causal"
+    lines = [
+        "crossover (new tokens from which materialize is faster), measured vs predicted "
+        f"({counting} counting):"
+    ]
     lines.append(f"  {'batch':>5} {'cached':>7} {'measured':>9} {'FLOP model':>11} {'roofline':>9}")
     for c in s["crossover"]:
+        noisy = "  (noisy cells: not a firm figure)" if c.get("noisy") else ""
         lines.append(
             f"  {c['batch']:>5} {c['context']:>7} {_tok(c['measured'], c['measured_max_new']):>9} "
-            f"{_tok(c['flop_model']):>11} {_tok(c['roofline']):>9}"
+            f"{_tok(c['flop_model']):>11} {_tok(c['roofline']):>9}{noisy}"
         )
     for d in s["decode"]:
         parts = [f"absorb at decode, batch {d['batch']}, cached {d['context']}: {d['absorb_ms']:.1f} ms"]
@@ -96,16 +114,53 @@ def summary_lines(doc: dict) -> list[str]:
             ratio = d["slower_than_absorb"].get(name)
             if ratio is not None:
                 parts.append(_versus(ratio, name))
-        if d["absorb_core_pct_peak_flops"] is not None:
-            parts.append(f"core {d['absorb_core_pct_peak_flops']:.0f}% of peak matmul")
-        if d["absorb_pct_peak_bandwidth"] is not None:
-            parts.append(f"step {d['absorb_pct_peak_bandwidth']:.0f}% of peak bandwidth")
-        if d["absorb_roofline_fraction"] is not None:
-            parts.append(f"step at {100 * d['absorb_roofline_fraction']:.0f}% of its roofline speed")
+        if d.get("absorb_spread") is not None and d["absorb_spread"] > 0.2:
+            parts[0] += f" (calls spread {100 * d['absorb_spread']:.0f}%: noisy)"
+        parts += _rates(d)
         lines.append("; ".join(parts))
+    lines += _same_path_lines(s.get("same_path", []))
     lines.append(_auto_line(s["auto"]))
-    if any(r.get("pct_peak_bandwidth", 0) > 100 or r.get("pct_peak_flops", 0) > 100 for r in doc["rows"]):
-        lines.append("note: some rates exceed the peaks measured in this run (measured at a busier moment)")
+    return lines
+
+
+def _rates(d: dict) -> list[str]:
+    """% of peak figures; a figure above the peak measured in this run is named unreliable instead."""
+    out = []
+    for key, text in (
+        ("absorb_core_pct_peak_flops", "core {:.0f}% of peak matmul"),
+        ("absorb_pct_peak_bandwidth", "step {:.0f}% of peak bandwidth"),
+    ):
+        if d.get(key) is not None:
+            out.append(text.format(d[key]) if not unreliable(d[key]) else text.split(" {")[0] + _UNRELIABLE)
+    frac = d.get("absorb_roofline_fraction")
+    if frac is not None:
+        out.append(
+            f"step at {100 * frac:.0f}% of its roofline speed"
+            if not unreliable(100 * frac)
+            else "roofline" + _UNRELIABLE
+        )
+    return out
+
+
+_UNRELIABLE = " rate above the peak measured in this run: unreliable (the load changed)"
+
+
+def _same_path_lines(checks: list[dict]) -> list[str]:
+    lines = []
+    for c in checks:
+        where = f"batch {c['batch']}, cached {c['context']}, new {c['new']}"
+        how = " (re-timed in turn)" if c["interleaved"] else ""
+        if c["within_noise"]:
+            lines.append(
+                f"auto ran {c['path']} at {where}: x{c['ratio']:.2f} of {c['path']}'s time, within the "
+                f"±{100 * c['noise']:.0f}% noise{how}"
+            )
+        else:
+            lines.append(
+                f"auto ran {c['path']} at {where}: x{c['ratio']:.2f} of {c['path']}'s time, beyond the "
+                f"±{100 * c['noise']:.0f}% noise{how}: this run was too noisy to rank backends closer "
+                f"than {100 * abs(c['ratio'] - 1):.0f}%"
+            )
     return lines
 
 

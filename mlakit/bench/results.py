@@ -32,6 +32,8 @@ CSV_COLUMNS = (
     "ms_min",
     "ms_max",
     "repeats",
+    "spread",
+    "noisy",
     "path",
     "timed_as",
     "flops",
@@ -44,6 +46,7 @@ CSV_COLUMNS = (
     "core_ms",
     "core_flop_per_s",
     "core_pct_peak_flops",
+    "rates_unreliable",
 )
 
 
@@ -65,6 +68,10 @@ def enrich(rows: list[dict], ctx: BenchContext, machine: MachineProfile | None) 
             row["core_ms"] = row["ms_median"] - base
             macs, nbytes = costs.core_terms(ctx.cfg, path, row["batch"], row["new"], row["cached"], dtype)
             row.update(costs.rates(row["core_ms"], macs, nbytes, machine, dtype, prefix="core_"))
+        pcts = [row.get(k) for k in ("pct_peak_flops", "pct_peak_bandwidth", "core_pct_peak_flops")]
+        if machine is not None:
+            # above a peak measured in the same run: the load changed between them; not a fraction of it
+            row["rates_unreliable"] = any(p is not None and p > 100 for p in pcts)
     return rows
 
 
@@ -135,10 +142,7 @@ def document(ctx: BenchContext, grid, timing, sweep, machine: MachineProfile | N
         "dtype": ctx.dtype_name,
         "grid": {"batch": list(grid.batch), "context": list(grid.context), "new": list(grid.new)},
         "timing": {
-            "warmup": timing.warmup,
-            "repeats": timing.repeats,
-            "min_repeats": timing.min_repeats,
-            "budget_s": timing.budget_s,
+            **timing.to_dict(),
             "note": "median, min and max of the timed calls; a shared machine: read medians, expect noise",
         },
         "env": environment(ctx),

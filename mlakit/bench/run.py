@@ -12,6 +12,7 @@ from mlakit.bench import plots, results
 from mlakit.bench.backends import resolve_backends
 from mlakit.bench.context import DTYPES, BenchContext
 from mlakit.bench.grid import DEFAULT_GRID, Grid
+from mlakit.bench.machine_state import MachineState, advisories, measure_state
 from mlakit.bench.summary import summarize
 from mlakit.bench.sweep import run_sweep
 from mlakit.bench.timing import DEFAULT_TIMING, Timing
@@ -19,6 +20,7 @@ from mlakit.calibration import CrossoverProfile, find_profile
 from mlakit.config import MLAConfig
 from mlakit.cost import MachineProfile
 from mlakit.ops.common import compute_dtype
+from mlakit.profile import effective_machine
 
 
 def default_device() -> str:
@@ -68,16 +70,6 @@ def resolve_machine(machine, device: str) -> MachineProfile | None:
     return by_name(machine)
 
 
-def effective_machine(machine: MachineProfile | None, device: str) -> MachineProfile | None:
-    """The peaks mlakit's matmuls can reach here: where bf16 is computed in fp32 (a CPU without
-    native bf16 GEMMs, see mlakit.ops.common.compute_dtype), bf16 work runs at the fp32 peak."""
-    if machine is None or compute_dtype(torch.bfloat16, device) == torch.bfloat16:
-        return machine
-    peaks = {**machine.peak_flops, "bf16": machine.peak_flops["fp32"]}
-    extra = {**machine.extra, "bf16_native_flops": machine.peak_flops["bf16"]}
-    return replace(machine, name=f"{machine.name} (bf16 computed in fp32)", peak_flops=peaks, extra=extra)
-
-
 def resolve_profile(profile, cfg: MLAConfig, dtype: str, device: str) -> CrossoverProfile | None:
     if profile is None or isinstance(profile, CrossoverProfile):
         return profile
@@ -86,16 +78,41 @@ def resolve_profile(profile, cfg: MLAConfig, dtype: str, device: str) -> Crossov
     return CrossoverProfile.load(profile)
 
 
+def check_device(device: str) -> str:
+    """'cpu', 'cuda' or 'cuda:i' that exists here; ValueError naming --device otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device must be cpu or cuda[:i], got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:i], got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available here")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA devices here")
+    return device
+
+
 def run_bench(opts: BenchOptions = BenchOptions()) -> dict:
-    """The results document (see mlakit.bench.results); files go to opts.out_dir."""
-    with torch_threads(opts.threads):
-        return _run(opts)
+    """The results document (see mlakit.bench.results); files go to opts.out_dir.
+
+    Before timing, the machine's state decides the thread count when `opts.threads` is None
+    (mlakit.bench.machine_state); the document records the state and the reason."""
+    _check_threads(opts.threads)
+    device = check_device(opts.device or default_device())
+    state = measure_state(opts.threads, torch.device(device).type)
+    with torch_threads(state.threads):
+        return _run(replace(opts, device=device), state)
+
+
+def _check_threads(threads) -> None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be a positive integer, got {threads!r}")
 
 
 @contextmanager
 def torch_threads(threads: int | None):
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"--threads must be a positive integer, got {threads!r}")
+    _check_threads(threads)
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -105,7 +122,7 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(old)
 
 
-def _run(opts: BenchOptions) -> dict:
+def _run(opts: BenchOptions, state: MachineState | None = None) -> dict:
     device = opts.device or default_device()
     dtype = opts.dtype or default_dtype(device)
     if dtype not in DTYPES:
@@ -116,14 +133,30 @@ def _run(opts: BenchOptions) -> dict:
     ctx = BenchContext(cfg, DTYPES[dtype], device, seed=opts.seed)
     ctx.layer.profile = resolve_profile(opts.profile, cfg, dtype, device)
     sweep = run_sweep(ctx, opts.grid, backends, opts.timing, show_progress=opts.progress)
+    if opts.machine == "measure" and machine is not None:
+        # peaks again after the cells, the higher of the two kept: a rate measured at a quieter
+        # moment than the peak would otherwise read above 100%
+        machine = higher_peaks(machine, effective_machine(resolve_machine("measure", device), device))
     results.enrich(sweep.rows, ctx, machine)
     source = "analytic model" if ctx.layer.profile is None else "measured profile"
     summary = summarize(cfg, sweep.rows, dtype, machine, opts.grid.decode_new, source)
     doc = results.document(ctx, opts.grid, opts.timing, sweep, machine, summary)
     doc["notes"] = []
+    if state is not None:
+        doc["env"]["machine_state"] = state.to_dict()
+        doc["notes"] = advisories(state)
     if opts.out_dir is not None:
         doc["files"] = write_files(doc, opts)
     return doc
+
+
+def higher_peaks(a: MachineProfile, b: MachineProfile) -> MachineProfile:
+    """Each peak the higher of two measurements of one machine (before and after the cells)."""
+    peaks = {k: max(v, b.peak_flops.get(k, v)) for k, v in a.peak_flops.items()}
+    extra = {**a.extra, "peaks_measured": "before and after the cells, the higher kept"}
+    return replace(
+        a, peak_flops=peaks, memory_bandwidth=max(a.memory_bandwidth, b.memory_bandwidth), extra=extra
+    )
 
 
 def write_files(doc: dict, opts: BenchOptions) -> dict:

@@ -4,7 +4,7 @@ and % of peak at decode, and auto's regret."""
 from __future__ import annotations
 
 from mlakit.config import MLAConfig
-from mlakit.cost import MachineProfile, crossover, measured_crossover, roofline_crossover
+from mlakit.cost import DEFAULT_COUNTING, MachineProfile, crossover, measured_crossover, roofline_crossover
 
 ABSORB, MATERIALIZE, AUTO = "mlakit-absorb", "mlakit-materialize", "mlakit-auto"
 PROJECTIONS = "mlakit-projections"
@@ -27,13 +27,29 @@ def crossovers(cfg: MLAConfig, rows, dtype: str, machine: MachineProfile | None)
                 "context": cached,
                 "measured": measured_crossover(rows, cached, batch, dtype),
                 "measured_max_new": max(r["new"] for r in rows if r["cached"] == cached),
-                "flop_model": crossover(cfg, cached, "causal").exact,
+                "counting": DEFAULT_COUNTING,
+                "flop_model": crossover(cfg, cached, DEFAULT_COUNTING).exact,
                 "roofline": None
                 if machine is None
-                else roofline_crossover(cfg, cached, machine, dtype, "causal", max_new=1 << 20),
+                else roofline_crossover(cfg, cached, machine, dtype, DEFAULT_COUNTING, max_new=1 << 20),
+                "noisy": _noisy_cell(rows, batch, cached),
             }
         )
     return out
+
+
+def _noisy_cell(rows: list[dict], batch: int, cached: int) -> bool:
+    """Whether either path's time at this (batch, cached) spread more than its noise threshold."""
+    return any(
+        r.get("noisy")
+        for r in rows
+        if (r["batch"], r["cached"]) == (batch, cached) and r["backend"] in PATH_BACKEND.values()
+    )
+
+
+def unreliable(pct: float | None) -> bool:
+    """A rate above the peak measured in the same run cannot be read as a fraction of it."""
+    return pct is not None and pct > 100
 
 
 def decode(rows: list[dict], new: int) -> list[dict]:
@@ -59,6 +75,7 @@ def decode(rows: list[dict], new: int) -> list[dict]:
                 "absorb_pct_peak_bandwidth": row.get("pct_peak_bandwidth"),
                 "absorb_core_pct_peak_flops": row.get("core_pct_peak_flops"),
                 "absorb_roofline_fraction": _ratio(row.get("roofline_ms"), row["ms_median"]),
+                "absorb_spread": row.get("spread"),
             }
         )
     return out
@@ -98,9 +115,36 @@ def auto_regret(rows: list[dict], source: str) -> dict:
     }
 
 
+def same_path(rows: list[dict]) -> list[dict]:
+    """Cells where mlakit-auto was timed on its own: its time over the path's it ran, and the noise."""
+    at = index(rows)
+    out = []
+    for (name, batch, cached, n), row in sorted(at.items(), key=lambda kv: kv[0][1:]):
+        same = at.get((PATH_BACKEND.get(row.get("path"), ""), batch, cached, n))
+        if name != AUTO or same is None or "timed_as" in row:
+            continue
+        ratio = row["ms_median"] / same["ms_median"]
+        noise = max(row.get("spread", 0), same.get("spread", 0), REGRET_LIMIT)
+        out.append(
+            {
+                "batch": batch,
+                "context": cached,
+                "new": n,
+                "path": row["path"],
+                "ratio": ratio,
+                "noise": noise,
+                "within_noise": abs(ratio - 1) <= noise,
+                "interleaved": bool(row.get("interleaved")),
+            }
+        )
+    return out
+
+
 def summarize(cfg, rows, dtype: str, machine, decode_new: int, auto_source: str) -> dict:
     return {
         "crossover": crossovers(cfg, rows, dtype, machine),
         "decode": decode(rows, decode_new),
         "auto": auto_regret(rows, auto_source),
+        "same_path": same_path(rows),
+        "noisy_cells": sum(1 for r in rows if r.get("noisy")),
     }

@@ -44,7 +44,8 @@ class LatentCache(StepCache):
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_allocation(
             f"LatentCache of {num_layers} layers x {batch_size} slots x {max_seq_len} tokens",
-            num_layers * per_layer * cfg.latent_dim * itemsize + 16 * batch_size,
+            num_layers * per_layer * (cfg.latent_dim + (cfg.index_head_dim or 0)) * itemsize
+            + 16 * batch_size,
             device,
         )
         self.cfg = cfg
@@ -54,6 +55,12 @@ class LatentCache(StepCache):
         # per layer: every slot's rows, then one spare row where padding of ragged rows is written
         self._c_rows = torch.zeros(num_layers, per_layer, cfg.kv_lora_rank, dtype=dtype, device=device)
         self._k_rows = torch.zeros(num_layers, per_layer, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        # DSA: the indexer key of every token, in the same rows (None for dense MLA)
+        self._i_rows = (
+            torch.zeros(num_layers, per_layer, cfg.index_head_dim, dtype=dtype, device=device)
+            if cfg.is_sparse
+            else None
+        )
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.written = [0] * batch_size  # tokens written per slot: lengths may only be lowered below it
         self._init_step(cfg, device)
@@ -68,8 +75,8 @@ class LatentCache(StepCache):
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes stored per token per layer."""
-        return self.cfg.latent_dim * self._c_rows.element_size()
+        """Bytes stored per token per layer (the DSA indexer key included)."""
+        return (self.cfg.latent_dim + (self.cfg.index_head_dim or 0)) * self._c_rows.element_size()
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [batch, max_seq_len, L], k_pe [batch, max_seq_len, dr]) of one layer: views."""
@@ -86,7 +93,7 @@ class LatentCache(StepCache):
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the cache holds (tests compare them bit for bit)."""
-        return [self._c_rows, self._k_rows, self.lengths]
+        return [t for t in (self._c_rows, self._k_rows, self._i_rows, self.lengths) if t is not None]
 
     def resolve_slots(self, slots: Slots, rows: int) -> torch.Tensor:
         """Check `slots` for `rows` batch rows (default: row b → slot b); a CPU LongTensor [rows]."""
@@ -163,6 +170,31 @@ class LatentCache(StepCache):
             return (c, k) if key_len == t else (c[:, :key_len], k[:, :key_len])
         c_all, k_all = self.layer_view(layer)
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
+
+    def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        rows = plan.write_rows.reshape(-1)
+        with torch.no_grad():
+            self._i_rows[layer].index_copy_(0, rows, k_idx.detach().reshape(rows.numel(), -1))
+
+    def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
+        """A row group's cached indexer keys [R, key_len, d_I]: a view when its slots are consecutive."""
+        keys = self._i_rows[layer, :-1].view(self.batch_size, self.max_seq_len, -1)
+        if group.slot_start is not None:
+            s0, r = group.slot_start, group.kv_lens.shape[0]
+            return keys[s0 : s0 + r, :key_len]
+        return keys[group.slots, :key_len]
+
+    def selected(self, layer: int, group, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [R,s,k,L], k_pe [R,s,k,dr]) at context positions [R,s,k] (0 <= p < key_len) of a group."""
+        r, s, k = positions.shape
+        if group.slot_start is not None:
+            slots = torch.arange(group.slot_start, group.slot_start + r, device=positions.device)
+        else:
+            slots = group.slots
+        rows = (slots[:, None] * self.max_seq_len + positions.reshape(r, s * k)).reshape(-1)
+        c_kv = self._c_rows[layer].index_select(0, rows).view(r, s, k, -1)
+        return c_kv, self._k_rows[layer].index_select(0, rows).view(r, s, k, -1)
 
     def release(self, slot: int) -> None:
         """Empty `slot` for reuse."""

@@ -12,7 +12,15 @@ import torch
 from mlakit.cache.blocks import BlockManager, blocks_for
 from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
 from mlakit.cache.plan import StepPlan, key_bucket
-from mlakit.cache.quant import dequantize, field_view, quantize, token_layout
+from mlakit.cache.quant import (
+    dequantize,
+    field_view,
+    hadamard,
+    index_groups,
+    index_rotated,
+    quantize,
+    token_layout,
+)
 from mlakit.cache.step import StepCache, row_counts
 from mlakit.config import MLAConfig
 
@@ -84,6 +92,11 @@ class PagedLatentCache(StepCache):
     @property
     def quant(self) -> str | None:
         return self.layout.quant
+
+    @property
+    def index_rotation(self) -> bool:
+        """True when the indexer keys are stored Hadamard-rotated (fp8): queries must be rotated too."""
+        return index_rotated(self.cfg, self.layout.quant)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -210,6 +223,40 @@ class PagedLatentCache(StepCache):
             field_view(rows, lay.latent).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
             field_view(rows, lay.scale).index_copy_(0, target, scale)
             field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
+
+    def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        target = plan.write_rows.reshape(-1)
+        rows, lay = self._rows[layer], self.layout
+        keys = k_idx.detach().reshape(target.numel(), -1)
+        with torch.no_grad():
+            if lay.quant is None:
+                field_view(rows, lay.index).index_copy_(0, target, keys)
+            else:
+                if self.index_rotation:
+                    keys = hadamard(keys)
+                groups = index_groups(keys.shape[-1], lay.quant)
+                values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
+                field_view(rows, lay.index).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
+                field_view(rows, lay.index_scale).index_copy_(0, target, scale)
+
+    def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
+        """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
+        Hadamard-rotated when `index_rotation`."""
+        rows = group.read_rows[:, :key_len]
+        flat = rows.reshape(-1)
+        lay, pool = self.layout, self._rows[layer]
+        keys = field_view(pool, lay.index).index_select(0, flat)
+        if lay.quant is not None:
+            keys = dequantize(keys, field_view(pool, lay.index_scale).index_select(0, flat), self.dtype)
+        return keys.view(*rows.shape, -1)
+
+    def selected(self, layer: int, group, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [R,s,k,L], k_pe [R,s,k,dr]) at context positions [R,s,k] (0 <= p < key_len) of a group."""
+        r, s, k = positions.shape
+        rows = group.read_rows.gather(1, positions.reshape(r, s * k))
+        c_kv, k_pe = self.gather(layer, rows)
+        return c_kv.view(r, s, k, -1), k_pe.view(r, s, k, -1)
 
     def release(self, slot: int) -> None:
         """Empty `slot` for reuse and free its blocks."""

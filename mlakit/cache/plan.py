@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlakit.dispatch import choose
+from mlakit.dispatch import choose, sparse_path
 
 # the smallest key bucket: short contexts share one shape
 MIN_BUCKET = 16
@@ -32,7 +32,7 @@ def key_bucket(keys: int, multiple: int = 1, cap: int | None = None) -> int:
 class RowGroup:
     """Rows of the step that run one path, with what that path reads."""
 
-    path: str  # "absorb" | "materialize"
+    path: str  # "absorb" | "materialize" | "sparse-absorb" | "sparse-materialize" (DSA past index_topk)
     rows: torch.Tensor | None  # [R] long (device): the group's batch rows; None: every row
     kv_lens: torch.Tensor  # [R] long (device): context after the step
     key_len: int  # the bucket: keys attended (masked past kv_lens)
@@ -93,7 +93,18 @@ class StepPlan:
 
 def decide_paths(cfg, starts: list[int], counts: list[int], uniform: bool, mode: str, profile) -> list[str]:
     """The path of each row: the caller's mode, or what "auto" picks (one decision for a uniform batch
-    at its mean context, one per row for a ragged one)."""
+    at its mean context, one per row for a ragged one). A DSA row group goes sparse once one of its
+    queries sees more than index_topk keys."""
+    if cfg.is_sparse:
+        if uniform:
+            sparse = sparse_path(cfg, counts[0], max(starts), mode)
+            if sparse is not None:
+                return [sparse] * len(counts)
+        else:
+            sparse = [sparse_path(cfg, c, s, mode) for c, s in zip(counts, starts, strict=True)]
+            if any(sparse):
+                dense = decide_paths(cfg.dense(), starts, counts, uniform, mode, profile)
+                return [sp or d for sp, d in zip(sparse, dense, strict=True)]
     if mode != "auto":
         return [mode] * len(counts)
     if uniform:

@@ -7,6 +7,11 @@ serving, so rope scores are exact). For DeepSeek-V3 widths (L 512, dr 64) in bf1
 - None: 512 + 64 values of 2 bytes                                          = 1152 bytes;
 - "fp8":  512 e4m3 values, 4 fp32 scales (one per 128 values), 64 bf16 rope = 656 bytes (FlashMLA's);
 - "int8": 512 int8 values, 1 fp32 scale per token, 64 bf16 rope             = 644 bytes.
+
+A DSA model (DeepSeek-V3.2, GLM-5) also keeps its indexer key (index_head_dim values) at the end of the
+row: in the compute dtype (256 bytes in bf16), or, quantized, as e4m3 / int8 values and one fp32 scale
+per 128 values (one per key when index_head_dim is not a multiple of 128): 132 bytes at width 128. fp8
+keys are Hadamard-rotated first, with power-of-two scales (DeepSeek's reference indexer).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class TokenLayout:
     scale: Field | None  # fp32 scales of the latent; None when not quantized
     rope: Field
     row_bytes: int  # bytes per token, padding for alignment included (none at usual widths)
+    index: Field | None = None  # DSA indexer key; None for dense MLA
+    index_scale: Field | None = None  # its fp32 scales when quantized
 
 
 def check_quant(quant: str | None) -> None:
@@ -56,13 +63,49 @@ def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> Token
     if quant is not None:
         parts.append(("scale", torch.float32, latent_width // FP8_GROUP if quant == "fp8" else 1))
     parts.append(("rope", dtype, cfg.qk_rope_head_dim))
+    if cfg.is_sparse:
+        parts.append(("index", parts[0][1], cfg.index_head_dim))
+        if quant is not None:
+            parts.append(("index_scale", torch.float32, index_groups(cfg.index_head_dim, quant)))
     fields, offset = {}, 0
     for name, dt, count in parts:
         offset = _align(offset, dt.itemsize)
         fields[name] = Field(dt, count, offset)
         offset += dt.itemsize * count
     row = _align(offset, max(dt.itemsize for _, dt, _ in parts))
-    return TokenLayout(quant, fields["latent"], fields.get("scale"), fields["rope"], row)
+    return TokenLayout(
+        quant,
+        fields["latent"],
+        fields.get("scale"),
+        fields["rope"],
+        row,
+        fields.get("index"),
+        fields.get("index_scale"),
+    )
+
+
+def index_rotated(cfg: MLAConfig, quant: str | None) -> bool:
+    """fp8 indexer keys are stored Hadamard-rotated (DeepSeek's reference): when the width is a power of 2."""
+    d = cfg.index_head_dim
+    return cfg.is_sparse and quant == "fp8" and d & (d - 1) == 0
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a power of two) times the orthonormal Walsh–Hadamard matrix H_n / √n, in fp32:
+    orthogonal, so (Hq)·(Hk) = q·k, while it spreads an outlier channel over all n values before fp8."""
+    n = x.shape[-1]
+    y = x.float().reshape(-1, n)
+    h = 1
+    while h < n:
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        y = torch.cat([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]], dim=-1).view(-1, n)
+        h *= 2
+    return (y * n**-0.5).view(x.shape)
+
+
+def index_groups(width: int, quant: str) -> int:
+    """fp32 scales of one quantized indexer key: one per 128 values (fp8) when they divide, else one."""
+    return width // FP8_GROUP if quant == "fp8" and width % FP8_GROUP == 0 else 1
 
 
 def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
@@ -71,16 +114,22 @@ def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
     return rows[:, field.offset : field.offset + size * field.count].view(field.dtype)
 
 
-def quantize(latent: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1])."""
+def quantize(
+    latent: torch.Tensor, quant: str, groups: int | None = None, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1]; [N, groups]
+    when given). `pow2`: scales rounded up to a power of two (DeepSeek's fp8 indexer keys)."""
     x = latent.float()
     n, width = x.shape
-    groups = width // FP8_GROUP if quant == "fp8" else 1
+    if groups is None:
+        groups = width // FP8_GROUP if quant == "fp8" else 1
     x = x.view(n, groups, width // groups)
     top = FP8_MAX if quant == "fp8" else INT8_MAX
     scale = x.abs().amax(dim=-1) / top  # [N, G]
     # an all-zero group keeps scale 1 so that dequantizing never divides 0 by 0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     y = (x / scale[..., None]).clamp_(-top, top)
     values = y.to(torch.float8_e4m3fn) if quant == "fp8" else y.round_().to(torch.int8)
     return values.view(n, width), scale

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands.args import resolve_model
 from mlakit.commands.cost import add_model_args, check_tokens
+from mlakit.commands.ranks import per_rank_cache_bytes
 from mlakit.config import MLAConfig
 from mlakit.cost import CACHE_DTYPES, DEFAULT_GQA_GROUPS, cache_economics, format_bytes
 
@@ -24,24 +26,23 @@ def register(sub) -> None:
 
 def per_rank(cfg: MLAConfig, context: int, mla_bytes_per_token_per_layer: int, cp: int, tp: int) -> dict:
     """MLA latent bytes per rank for one sequence (rank = c·tp + t): CP splits it, TP replicates it."""
-    from mlakit.distributed import per_rank_cache_bytes
-
     value_bytes = mla_bytes_per_token_per_layer / cfg.latent_dim
     ranks = per_rank_cache_bytes(cfg, context, value_bytes, cp=cp, tp=tp)
     return {"cp": cp, "tp": tp, "mla_bytes_per_rank": ranks, "mla_bytes_max_rank": max(ranks)}
 
 
 def parse_groups(text: str) -> list[int]:
-    try:
-        return [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        raise ValueError(f"--gqa-groups must be comma-separated integers, got {text!r}") from None
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts) or len(parts) > 64:
+        raise ValueError(f"--gqa-groups must be up to 64 comma-separated integers >= 1, got {text!r}")
+    return [int(p) for p in parts]
 
 
 def run(args) -> int:
     check_tokens("context", args.context, 0)
-    cfg = MLAConfig.resolve(args.model)
-    e = cache_economics(cfg, args.context, args.dtype, parse_groups(args.gqa_groups))
+    groups = parse_groups(args.gqa_groups)
+    cfg = resolve_model(args.model)
+    e = cache_economics(cfg, args.context, args.dtype, groups)
     r = {"model": cfg.name, "context": args.context, "dtype": args.dtype, **e}
     if args.cp != 1 or args.tp != 1:
         r["per_rank"] = per_rank(cfg, args.context, e["bytes_per_token_per_layer"]["mla"], args.cp, args.tp)
@@ -58,6 +59,14 @@ def run(args) -> int:
             f"{per_token:>11} {per_seq:>13}"
         )
     print(f"MLA caches as much as GQA with {r['mla_equivalent_gqa_groups']:.3g} groups at these head widths")
+    if "indexer" in r:
+        ix = r["indexer"]
+        print(
+            f"DSA indexer key: {ix['index_key_bytes_per_token_per_layer']} B/token/layer beside the latent: "
+            f"mla + indexer {ix['mla_with_indexer_bytes_per_token_per_layer']:,} B/token/layer, "
+            f"{format_bytes(ix['mla_with_indexer_bytes_per_token'])} per token, "
+            f"{format_bytes(ix['mla_with_indexer_bytes_per_sequence'])} per sequence"
+        )
     if "per_rank" in r:
         pr = r["per_rank"]
         shown = ", ".join(format_bytes(b) for b in pr["mla_bytes_per_rank"][:8])

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands.args import (
+    check_out_dir,
+    check_out_file,
+    count_type,
+    parse_count_list,
+    positive,
+    resolve_model,
+)
 
 
 def register(sub) -> None:
@@ -17,9 +25,16 @@ def register(sub) -> None:
     p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: as mlakit bench picks for the device")
     p.add_argument("--device", help="cpu or cuda[:i] (default: cuda when available)")
-    p.add_argument("--context", help="comma-separated cached tokens (default 256,1024,4096)")
-    p.add_argument("--max-new", type=int, default=512, help="largest new-token count tried (default 512)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--context", help="comma-separated cached tokens, 1K = 1024 (default 256,1K,4K; --quick 256,1K)"
+    )
+    p.add_argument(
+        "--max-new",
+        type=count_type("max-new", 1, 1 << 16),
+        default=512,
+        help="largest new-token count tried (512)",
+    )
+    p.add_argument("--batch", type=count_type("batch", 1, 1 << 16), default=1)
     p.add_argument(
         "--threads", type=int, help="torch threads (default: torch's); use what inference will use"
     )
@@ -30,17 +45,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    positive(args, "threads")
+    contexts = parse_count_list(args.context, "context", 0, 1 << 24) if args.context is not None else None
+    model = resolve_model(args.model)
+    if args.out is not None:
+        (check_out_file if args.out.endswith(".json") else check_out_dir)(args.out)
     from mlakit.bench.calibrator import QUICK_CONTEXTS, CalibrateOptions, calibrate, output_path
-    from mlakit.bench.grid import parse_ints
-    from mlakit.bench.run import default_device, default_dtype
+    from mlakit.bench.run import check_device, default_device, default_dtype
     from mlakit.bench.timing import DEFAULT_TIMING, QUICK_TIMING
-    from mlakit.config import MLAConfig
 
-    device = args.device or default_device()
+    device = check_device(args.device or default_device())
     dtype = args.dtype or default_dtype(device)
-    contexts = parse_ints(args.context, "context") if args.context else None
     opts = CalibrateOptions(
-        model=MLAConfig.resolve(args.model),
+        model=model,
         dtype=dtype,
         device=device,
         batch=args.batch,
@@ -69,5 +86,9 @@ def _print(profile, path: str) -> None:
     for t, x in profile.points:
         text = f"> {profile.max_new} (absorb always faster)" if x is None else f"{x:.1f}"
         print(f"  {t:>7} {text:>24}")
+    for t, why in profile.extra.get("unmeasured", {}).items():
+        print(f"  {t:>7} {'not measured':>24}  (noise: {why})")
+    for warning in profile.extra.get("warnings", []):
+        print(f"  warning: {warning}: noise, or a real change; rerun to tell")
     print(f"saved {path}")
     print("mode='auto' follows it for layers of these widths, dtype and device (mlakit.calibration.attach)")

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from mlakit.attention import MLAAttention
-from mlakit.cache.contiguous import LatentCache
 from mlakit.commands import emit_json
-from mlakit.config import MLAConfig
+from mlakit.commands.args import check_memory, count_type, resolve_model
+from mlakit.commands.memory import check_run_bytes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("bf16", "fp32")
+VALUE_BYTES = {"fp32": 4, "bf16": 2}
+MAX_DECODE_STEPS = 4096  # each step is one timed call per path; more is a benchmark, not a check
 
 
 def register(sub) -> None:
@@ -19,10 +18,17 @@ def register(sub) -> None:
         "check", help="run both paths on a preset's full-width layer; print difference and time"
     )
     p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--prefill", type=int, default=256, help="prompt tokens (default 256)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps after the prefill (default 8)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument(
+        "--prefill", type=count_type("prefill", 1), default=256, help="prompt tokens, 1K = 1024 (256)"
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=count_type("decode-steps", 0, MAX_DECODE_STEPS),
+        default=8,
+        help=f"decode steps after the prefill, at most {MAX_DECODE_STEPS} (default 8)",
+    )
+    p.add_argument("--batch", type=count_type("batch", 1), default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
@@ -30,6 +36,10 @@ def register(sub) -> None:
 
 def run_path(layer, cfg, mode, prompt, steps, dtype):
     """Prefill then decode in one mode; returns outputs and seconds of each phase."""
+    import torch
+
+    from mlakit.cache.contiguous import LatentCache
+
     batch = prompt.shape[0]
     cache = LatentCache(cfg, batch, prompt.shape[1] + len(steps), dtype=dtype)
     outs = []
@@ -43,7 +53,7 @@ def run_path(layer, cfg, mode, prompt, steps, dtype):
     return outs, t1 - t0, (t2 - t1) / max(1, len(steps))
 
 
-def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def rel_diff(a: list, b: list) -> float:
     num = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
     den = max(float(y.float().abs().max()) for y in b)
     return num / max(den, 1e-30)
@@ -53,8 +63,14 @@ def run(args) -> int:
     for name in ("prefill", "decode_steps", "batch"):
         if getattr(args, name) < (0 if name == "decode_steps" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    cfg = MLAConfig.resolve(args.model)
-    dtype = DTYPES[args.dtype]
+    cfg = resolve_model(args.model)
+    need = check_run_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
+    check_memory(need, f"{cfg.name} at batch {args.batch}, prefill {args.prefill:,}", "--batch or --prefill")
+    import torch
+
+    from mlakit.attention import MLAAttention
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     layer = MLAAttention(cfg, dtype=dtype).eval()

@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
-from mlakit.config import MLAConfig
-from mlakit.cost import CACHE_DTYPES, MACHINES, MODELS, MachineProfile, cost_report, resolve_machine
+from mlakit.commands.args import count_type, resolve_model
+from mlakit.cost import (
+    CACHE_DTYPES,
+    DEFAULT_COUNTING,
+    MACHINES,
+    MODELS,
+    MachineProfile,
+    cost_report,
+    format_seconds,
+    resolve_machine,
+)
 
 
 def add_model_args(p, context_default: int | None = 4096) -> None:
-    """--model, --context and --json, shared by the cost commands."""
+    """--model, --context (4K = 4096) and --json, shared by the cost commands."""
     p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
+    tokens = count_type("context", 0)
     if context_default is None:
-        p.add_argument("--context", type=int, required=True, help="cached tokens")
+        p.add_argument("--context", type=tokens, required=True, help="cached tokens (4K = 4096)")
     else:
         p.add_argument(
-            "--context", type=int, default=context_default, help=f"cached tokens ({context_default})"
+            "--context",
+            type=tokens,
+            default=context_default,
+            help=f"cached tokens, 4K = 4096 ({context_default})",
         )
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_counting_arg(p) -> None:
+    p.add_argument(
+        "--counting",
+        choices=MODELS,
+        default=DEFAULT_COUNTING,
+        help=f"counting model: causal (new tokens also attend to each other, as mlakit runs a step) or "
+        f"independent (each new token sees the context only) ({DEFAULT_COUNTING})",
+    )
 
 
 def add_machine_arg(p, default: str | None) -> None:
@@ -24,16 +47,20 @@ def add_machine_arg(p, default: str | None) -> None:
     p.add_argument(
         "--machine",
         default=default,
-        help=f"roofline machine: {names}, 'local' (measured here once, then cached) or a profile JSON",
+        help=f"roofline machine: {names}, 'local' (measured here once, then cached; bf16 at the rate "
+        "mlakit computes it) or a profile JSON",
     )
 
 
 def machine_from_arg(value: str) -> MachineProfile:
     if value == "local":
-        from mlakit.profile import local_profile  # torch is needed only to measure
+        from mlakit.profile import effective_machine, local_profile  # torch is needed only to measure
 
-        return local_profile()
-    return resolve_machine(value)
+        return effective_machine(local_profile())
+    try:
+        return resolve_machine(value)
+    except OSError as err:
+        raise ValueError(f"--machine {value!r}: {err.strerror or err}") from None
 
 
 def check_tokens(name: str, value: int, low: int) -> None:
@@ -44,10 +71,12 @@ def check_tokens(name: str, value: int, low: int) -> None:
 def register(sub) -> None:
     p = sub.add_parser("cost", help="every term of both paths, both totals and the predicted times")
     add_model_args(p, context_default=None)
-    p.add_argument("--new", type=int, required=True, help="new tokens attending to the context")
+    p.add_argument(
+        "--new", type=count_type("new", 1), required=True, help="new tokens attending to the context"
+    )
     p.add_argument("--dtype", choices=CACHE_DTYPES, default="bf16", help="cache dtype (bf16)")
     add_machine_arg(p, "h100")
-    p.add_argument("--counting", choices=MODELS, default="independent", help="counting model (independent)")
+    add_counting_arg(p)
     p.add_argument("--fused", action="store_true", help="materialize keeps expanded K/V on chip")
     p.set_defaults(func=run)
 
@@ -55,7 +84,7 @@ def register(sub) -> None:
 def run(args) -> int:
     check_tokens("context", args.context, 0)
     check_tokens("new", args.new, 1)
-    cfg = MLAConfig.resolve(args.model)
+    cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine)
     report = cost_report(cfg, args.context, args.new, args.dtype, machine, args.counting, args.fused)
     if args.json:
@@ -70,7 +99,7 @@ def print_report(r: dict) -> None:
         f"{r['model']}: {r['new']:,} new tokens over {r['context']:,} cached, {r['dtype']} cache, "
         f"{r['counting']} counting, roofline on {r['machine']['name']} (per layer, per sequence)"
     )
-    print(f"{'path':<12} {'term':<20} {'multiply-adds':>16} {'bytes':>14} {'time us':>10}  bound")
+    print(f"{'path':<12} {'term':<20} {'multiply-adds':>16} {'bytes':>14} {'time':>10}  bound")
     for path in ("materialize", "absorb", "shared"):
         for name, t in r["terms"][path].items():
             print(f"{path:<12} {name:<20} {_figures(t)}  {t['bound']}")
@@ -78,19 +107,59 @@ def print_report(r: dict) -> None:
         t = r["totals"][path]
         print(
             f"{path:<12} {'total':<20} {_figures(t)}  (with shared projections: "
-            f"{t['macs_with_shared']:,.0f} MACs, {t['time_s_with_shared'] * 1e6:.2f} us)"
+            f"{t['macs_with_shared']:,.0f} MACs, {format_seconds(t['time_s_with_shared'])})"
         )
     c = r["crossover"]
     print(f"fewer multiply-adds: {r['fewer_macs']}; predicted faster: {r['faster']}")
     print(
-        f"crossover at this context: {_tok(c['exact'])} new tokens (multiply-adds), "
+        f"crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
+        "(multiply-adds), "
         f"{_tok(c['roofline'])} (roofline); long-context limit {_tok(c['asymptotic'])}"
     )
+    if "sparse" in r:
+        print_sparse(r["sparse"], r)
 
 
 def _figures(t: dict) -> str:
-    return f"{t['macs']:>16,.0f} {t['bytes']:>14,.0f} {t['time_s'] * 1e6:>10.2f}"
+    return f"{t['macs']:>16,.0f} {t['bytes']:>14,.0f} {format_seconds(t['time_s']):>10}"
 
 
 def _tok(x) -> str:
     return "none" if x is None else f"{x:,.1f}"
+
+
+def print_sparse(s: dict, r: dict) -> None:
+    """The DSA section: both sparse paths, the indexer's terms, break-even and the decode figures."""
+    m = s["summary"]
+    print(
+        f"DSA (index_topk {m['index_topk']:,}, indexer {m['index_n_heads']} heads x {m['index_head_dim']}): "
+        + (
+            "every query sees <= index_topk keys, dense attention (the dense rows above are exact)"
+            if s["dense"]
+            else "sparse: each query attends to index_topk selected latents"
+        )
+    )
+    print(f"{'path':<19} {'term':<20} {'multiply-adds':>16} {'bytes':>14}")
+    for path, terms in s["terms"].items():
+        for name, t in terms.items():
+            print(f"{path:<19} {name:<20} {t['macs']:>16,.0f} {t['bytes']:>14,.0f}")
+        t = s["totals"][path]
+        print(f"{path:<19} {'total':<20} {t['macs']:>16,.0f} {t['bytes']:>14,.0f}")
+    band = s["crossover"]
+    where = "never" if band is None else f"{band[0]:,.1f} <= new < " + _tok(band[1])
+    print(
+        f"fewer multiply-adds: {s['fewer_macs']}; auto picks {s['auto_picks']}; materialize cheaper: {where}"
+    )
+    b = m["breakeven_bytes"]
+    print(
+        f"DSA decode beats dense absorb from {m['breakeven_macs']:,.0f} cached tokens (multiply-adds; "
+        f"{m['breakeven_macs_with_projections']:,.0f} with the indexer projections), from "
+        f"{b['bf16_latent_fp8_index']:,.0f}-{b['bf16']:,.0f} (bytes, bf16 latent, fp8/bf16 indexer key)"
+    )
+    for d in m["decode"]:
+        c, a = d["core"], d["all_terms"]
+        print(
+            f"  decode at {d['cached']:>7,} cached: {c['ratio']:.2f}x fewer multiply-adds than dense, "
+            f"indexer {c['indexer_share']:.1%} of the rest ({a['ratio']:.2f}x, {a['indexer_share']:.1%} "
+            "with every term)"
+        )

@@ -7,22 +7,17 @@ rank 0 then runs the single-process layer on the same inputs. A full-width layer
 
 from __future__ import annotations
 
+import os
 import time
 
-import torch
-
-from mlakit.attention import MLAAttention
-from mlakit.cache.contiguous import LatentCache
 from mlakit.commands import emit_json
+from mlakit.commands.args import check_memory, count_type, resolve_model
+from mlakit.commands.memory import cp_check_bytes
+from mlakit.commands.ranks import DEFAULT_BLOCK_SIZE
 from mlakit.config import MLAConfig
-from mlakit.distributed import (
-    DEFAULT_BLOCK_SIZE,
-    ContextParallelMLA,
-    launch_local,
-    per_rank_cache_bytes,
-)
 
 MAX_WORLD_SIZE = 64
+MAX_CONTEXT = 1 << 20  # tokens one check fills; every rank also holds the whole prompt
 
 
 def register(sub) -> None:
@@ -30,10 +25,25 @@ def register(sub) -> None:
         "cp-check",
         help="run a preset's layer context-parallel on N local gloo processes; compare with one process",
     )
-    p.add_argument("--world-size", type=int, default=2, help="local processes (default 2)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help=f"local processes, 1..{MAX_WORLD_SIZE} and as memory allows (2)",
+    )
     p.add_argument("--model", default="deepseek-v3", help="preset name, config.json or model folder")
-    p.add_argument("--context", type=int, default=256, help="prompt tokens to fill (default 256)")
-    p.add_argument("--decode-steps", type=int, default=4, help="decode steps after the prompt (default 4)")
+    p.add_argument(
+        "--context",
+        type=count_type("context", 1, MAX_CONTEXT),
+        default=256,
+        help="prompt tokens, 1K = 1024 (256)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=count_type("decode-steps", 0, 4096),
+        default=4,
+        help="decode steps after it (4)",
+    )
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per placement block")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per forward call")
     p.add_argument("--seed", type=int, default=0)
@@ -48,12 +58,22 @@ def check_args(args) -> MLAConfig:
     for name, low in (("context", 1), ("decode_steps", 0), ("block_size", 1), ("prefill_chunk", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    return MLAConfig.resolve(args.model)
+    if not 0 < args.timeout < 1e6:
+        raise ValueError(f"--timeout must be > 0 seconds (and under 1e6), got {args.timeout}")
+    cfg = resolve_model(args.model)
+    need = cp_check_bytes(cfg, args.world_size, args.context, args.decode_steps, args.prefill_chunk)
+    what = f"{args.world_size} ranks of a full {cfg.name} layer at context {args.context:,}"
+    check_memory(need, what, "--world-size or --context")
+    if args.world_size > (os.cpu_count() or 1) * 8:
+        raise ValueError(
+            f"--world-size {args.world_size} is over 8 processes per core ({os.cpu_count()} cores)"
+        )
+    return cfg
 
 
-def inputs(cfg: MLAConfig, context: int, steps: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def inputs(cfg: MLAConfig, context: int, steps: int, seed: int):
+    import torch
+
     gen = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randn(1, context, cfg.hidden_size, generator=gen)
     return prompt, [torch.randn(1, 1, cfg.hidden_size, generator=gen) for _ in range(steps)]
@@ -61,6 +81,12 @@ def inputs(cfg: MLAConfig, context: int, steps: int, seed: int) -> tuple[torch.T
 
 def rank_check(model: str, context: int, steps: int, block_size: int, chunk: int, seed: int) -> dict:
     """One rank's part (runs in each spawned process): CP outputs, its cache; rank 0 adds the reference."""
+    import torch
+
+    from mlakit.attention import MLAAttention
+    from mlakit.cache.contiguous import LatentCache
+    from mlakit.distributed import ContextParallelMLA
+
     cfg = MLAConfig.resolve(model)
     torch.manual_seed(seed)
     layer = MLAAttention(cfg).eval()
@@ -86,12 +112,14 @@ def rank_check(model: str, context: int, steps: int, block_size: int, chunk: int
     return result
 
 
-def rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+def rel_err(got: list, want: list) -> float:
     num = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     return num / max(max(float(w.abs().max()) for w in want), 1e-30)
 
 
 def run(args) -> int:
+    from mlakit.distributed import launch_local, per_rank_cache_bytes
+
     cfg = check_args(args)
     t0 = time.perf_counter()
     ranks = launch_local(

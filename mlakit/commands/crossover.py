@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
-from mlakit.commands.cost import _tok, add_machine_arg, add_model_args, check_tokens, machine_from_arg
+from mlakit.commands.args import resolve_model
+from mlakit.commands.cost import _tok, add_counting_arg, add_machine_arg, add_model_args, machine_from_arg
 from mlakit.config import MLAConfig
-from mlakit.cost import CACHE_DTYPES, MODELS, crossover, roofline_crossover
+from mlakit.cost import CACHE_DTYPES, DEFAULT_COUNTING, MODELS, crossover, roofline_crossover
 
 
 def register(sub) -> None:
     p = sub.add_parser("crossover", help="new tokens where absorb and materialize cost the same")
     add_model_args(p)
-    p.add_argument(
-        "--counting", choices=MODELS, default="independent", help="counting for 'exact' (independent)"
-    )
+    add_counting_arg(p)
     add_machine_arg(p, None)
     p.add_argument(
         "--dtype", choices=CACHE_DTYPES, default="bf16", help="cache dtype for the roofline (bf16)"
@@ -21,7 +20,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def crossover_result(cfg: MLAConfig, context: int, counting: str, machine=None, dtype: str = "bf16") -> dict:
+def crossover_result(
+    cfg: MLAConfig, context: int, counting: str = DEFAULT_COUNTING, machine=None, dtype: str = "bf16"
+) -> dict:
     both = {m: crossover(cfg, context, m) for m in MODELS}
     out = {
         "model": cfg.name,
@@ -35,14 +36,14 @@ def crossover_result(cfg: MLAConfig, context: int, counting: str, machine=None, 
         out["roofline"] = {
             "machine": machine.name,
             "dtype": dtype,
+            "counting": counting,
             "exact": roofline_crossover(cfg, context, machine, dtype, counting),
         }
     return out
 
 
 def run(args) -> int:
-    check_tokens("context", args.context, 0)
-    cfg = MLAConfig.resolve(args.model)
+    cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine) if args.machine else None
     r = crossover_result(cfg, args.context, args.counting, machine, args.dtype)
     if args.json:
@@ -52,10 +53,13 @@ def run(args) -> int:
         f"{cfg.name} (heads {cfg.num_heads}, latent {cfg.kv_lora_rank}, nope {cfg.qk_nope_head_dim}, "
         f"rope {cfg.qk_rope_head_dim}, v {cfg.v_head_dim}) at {args.context:,} cached tokens"
     )
-    for m, c in r["by_counting"].items():
-        print(f"  crossover, {m} counting: {_tok(c['exact'])} new tokens")
+    order = [args.counting] + [m for m in MODELS if m != args.counting]
+    for m in order:
+        tag = " (the default)" if m == DEFAULT_COUNTING else ""
+        print(f"  crossover, {m} counting{tag}: {_tok(r['by_counting'][m]['exact'])} new tokens")
     print(f"  long-context limit L·(nope+v)/(2L-nope-v): {_tok(r['asymptotic'])} new tokens")
     if machine is not None:
-        print(f"  roofline on {machine.name}, {args.dtype}: {_tok(r['roofline']['exact'])} new tokens")
+        roof = _tok(r["roofline"]["exact"])
+        print(f"  roofline on {machine.name}, {args.dtype}, {args.counting} counting: {roof} new tokens")
     print("  fewer new tokens than the crossover: absorb is cheaper; more: materialize")
     return 0

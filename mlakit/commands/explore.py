@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlakit.explore import write_explorer
+from mlakit.commands.args import check_out_file
 
 
 def register(sub) -> None:
@@ -13,5 +13,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from mlakit.explore import write_explorer
+
+    check_out_file(args.out)
     print(write_explorer(args.out, args.bench))
     return 0

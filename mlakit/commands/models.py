@@ -1,9 +1,11 @@
-"""mlakit models: every preset with its widths and cache values per token per layer."""
+"""mlakit models: every preset with its widths and cache values per token per layer, and every MLA
+family of transformers with whether `mlakit.hf.patch` covers it (and why not)."""
 
 from __future__ import annotations
 
 from mlakit.commands import emit_json
 from mlakit.config import PRESETS, MLAConfig
+from mlakit.hf.families import FAMILIES
 
 _COLUMNS = (
     ("model", "name", "{:<16}"),
@@ -19,7 +21,11 @@ _COLUMNS = (
 
 
 def register(sub) -> None:
-    p = sub.add_parser("models", help="list the presets with widths and cache values per token per layer")
+    p = sub.add_parser(
+        "models",
+        help="list the presets (widths, cache values per token per layer) and the transformers families "
+        "mlakit.hf.patch covers",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -35,10 +41,25 @@ def describe(cfg: MLAConfig) -> dict:
     return d
 
 
+def families() -> list[dict]:
+    """One row per MLA attention class of transformers: its family, whether patch covers it, why not."""
+    return [
+        {
+            "family": f.model_type,
+            "attention": name,
+            "models": list(f.models),
+            "patched": f.refused is None,
+            "reason": f.refused,
+            "differences": f.differences,
+        }
+        for name, f in FAMILIES.items()
+    ]
+
+
 def run(args) -> int:
     rows = [describe(MLAConfig.preset(name)) for name in PRESETS]
     if args.json:
-        emit_json(rows)
+        emit_json({"presets": rows, "families": families()})
         return 0
     head = " ".join(fmt.format(title) for title, _, fmt in _COLUMNS)
     print(f"{head} {'cache/token/layer':>18} {'expanded':>9}")
@@ -46,4 +67,7 @@ def run(args) -> int:
         cells = " ".join(fmt.format(str(r[key])) for _, key, fmt in _COLUMNS)
         c = r["cache_values_per_token_per_layer"]
         print(f"{cells} {c['mla']:>18} {c['expanded']:>9}")
+    print(f"\ntransformers families (mlakit.hf.patch):\n{'family':<20} {'attention':<28} patched")
+    for f in families():
+        print(f"{f['family']:<20} {f['attention']:<28} {'yes' if f['patched'] else 'no: ' + f['reason']}")
     return 0

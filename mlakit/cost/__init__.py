@@ -13,6 +13,7 @@ from mlakit.cost.cache_size import (
     cache_layouts,
     format_bytes,
     gqa_groups_defined,
+    index_key_bytes,
     mla_equivalent_gqa_groups,
 )
 from mlakit.cost.crossover import (
@@ -24,7 +25,7 @@ from mlakit.cost.crossover import (
     roofline_crossover,
 )
 from mlakit.cost.measured import load_results, measured_crossover, validate_results
-from mlakit.cost.report import cost_report, markdown_tables
+from mlakit.cost.report import cost_report, format_seconds, markdown_tables
 from mlakit.cost.roofline import (
     MACHINES,
     MachineProfile,
@@ -34,7 +35,22 @@ from mlakit.cost.roofline import (
     shared_term_times,
     term_times,
 )
+from mlakit.cost.sparse import (
+    SPARSE_MODES,
+    choose_sparse,
+    dsa_breakeven,
+    dsa_breakeven_bytes,
+    dsa_decode_summary,
+    dsa_report,
+    indexer_macs,
+    selected_pairs,
+    sparse_cost,
+    sparse_crossover,
+    sparse_path_macs,
+    sparse_path_terms,
+)
 from mlakit.cost.terms import (
+    DEFAULT_COUNTING,
     MODELS,
     MODES,
     absorb_macs,
@@ -48,7 +64,21 @@ from mlakit.cost.terms import (
 from mlakit.cost.traffic import absorb_bytes, compute_dtype, materialize_bytes, path_bytes, shared_bytes
 
 __all__ = [
+    "SPARSE_MODES",
+    "choose_sparse",
+    "dsa_breakeven",
+    "dsa_breakeven_bytes",
+    "dsa_decode_summary",
+    "dsa_report",
+    "index_key_bytes",
+    "indexer_macs",
+    "selected_pairs",
+    "sparse_cost",
+    "sparse_crossover",
+    "sparse_path_macs",
+    "sparse_path_terms",
     "CACHE_DTYPES",
+    "DEFAULT_COUNTING",
     "DEFAULT_GQA_GROUPS",
     "MACHINES",
     "MODELS",
@@ -67,6 +97,7 @@ __all__ = [
     "expanded_tokens",
     "first_crossing",
     "format_bytes",
+    "format_seconds",
     "gap_coefficients",
     "gqa_groups_defined",
     "keys_seen",

@@ -55,6 +55,23 @@ class CacheLayout:
         return self.content_bytes(dtype) + self.rope_bytes(dtype)
 
 
+# indexer key values per fp32 scale in the fp8 layout (DeepSeek's reference, vLLM); one scale per key
+# when the width is not a multiple of it (mlakit.cache.quant)
+INDEX_TILE = 128
+
+
+def index_key_bytes(cfg: MLAConfig, dtype: str = "bf16") -> int:
+    """One token's DSA indexer key in one layer: 256 B (bf16) or 132 B (fp8 + fp32 scale) at d_I 128."""
+    check_cache_dtype(dtype)
+    if not cfg.is_sparse:
+        raise ValueError(f"model {cfg.name!r} has no indexer (index_topk is None): not a DSA model")
+    d = cfg.index_head_dim
+    if dtype in ("fp8", "int8"):
+        groups = d // INDEX_TILE if dtype == "fp8" and d % INDEX_TILE == 0 else 1
+        return d + groups * SCALE_BYTES
+    return d * VALUE_BYTES[dtype]
+
+
 def check_cache_dtype(dtype: str) -> None:
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype!r}")
@@ -107,13 +124,28 @@ def cache_economics(cfg: MLAConfig, context: int, dtype: str = "bf16", gqa_group
         raise ValueError(f"context must be an integer number of tokens >= 0, got {context!r}")
     layouts = cache_layouts(cfg, gqa_groups)
     per_layer = {name: lay.bytes(dtype) for name, lay in layouts.items()}
-    return {
+    out = {
         "num_layers": cfg.num_layers,
         "values_per_token_per_layer": {name: lay.values for name, lay in layouts.items()},
         "bytes_per_token_per_layer": per_layer,
         "bytes_per_token": {name: b * cfg.num_layers for name, b in per_layer.items()},
         "bytes_per_sequence": {name: b * cfg.num_layers * context for name, b in per_layer.items()},
         "mla_equivalent_gqa_groups": mla_equivalent_gqa_groups(cfg),
+    }
+    if cfg.is_sparse:
+        out["indexer"] = _indexer_economics(cfg, context, dtype, per_layer["mla"])
+    return out
+
+
+def _indexer_economics(cfg: MLAConfig, context: int, dtype: str, mla_per_layer: int) -> dict:
+    """DSA caches one indexer key per token per layer beside the latent (same slots, same pages)."""
+    key = index_key_bytes(cfg, dtype)
+    with_key = mla_per_layer + key
+    return {
+        "index_key_bytes_per_token_per_layer": key,
+        "mla_with_indexer_bytes_per_token_per_layer": with_key,
+        "mla_with_indexer_bytes_per_token": with_key * cfg.num_layers,
+        "mla_with_indexer_bytes_per_sequence": with_key * cfg.num_layers * context,
     }
 
 

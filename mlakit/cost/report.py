@@ -6,6 +6,7 @@ from mlakit.config import PRESETS, MLAConfig
 from mlakit.cost.cache_size import cache_economics, format_bytes
 from mlakit.cost.crossover import crossover, roofline_crossover
 from mlakit.cost.roofline import MachineProfile, path_term_times, resolve_machine, shared_term_times
+from mlakit.cost.sparse import sparse_cost
 from mlakit.cost.terms import MODES, path_terms, shared_macs
 from mlakit.cost.traffic import path_bytes, shared_bytes
 
@@ -34,6 +35,7 @@ def cost_report(
         terms[mode] = _rows(macs, nbytes, times)
     totals = {mode: _totals(terms[mode], terms["shared"]) for mode in MODES}
     point = crossover(cfg, context, model)
+    sparse = {"sparse": sparse_cost(cfg, context, new, dtype, model)} if cfg.is_sparse else {}
     return {
         "model": cfg.name,
         "context": context,
@@ -51,6 +53,7 @@ def cost_report(
             "asymptotic": point.asymptotic,
             "roofline": roofline_crossover(cfg, context, profile, dtype, model, fused),
         },
+        **sparse,
     }
 
 
@@ -111,6 +114,14 @@ def markdown_tables(context: int = 4096, sequence: int = 131072, machine: str = 
         ]
         lines.append(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def format_seconds(seconds: float) -> str:
+    """'12.3 ns', '4.56 µs', '7.89 ms', '1.23 s' (3 significant digits; 'inf s' past float range)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale or unit == "ns":
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds} s"
 
 
 def _tok(x: float | None) -> str:

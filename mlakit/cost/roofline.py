@@ -71,7 +71,16 @@ class MachineProfile:
     @classmethod
     def load(cls, path: str) -> MachineProfile:
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            try:
+                data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"machine profile {path!r} is not JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"machine profile {path!r} must be a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, AttributeError) as err:
+            raise ValueError(f"machine profile {path!r}: {err}") from None
 
 
 def _check_rate(name: str, value) -> None:

@@ -15,6 +15,9 @@ from mlakit.config import MLAConfig
 # "independent": the articles' model (new and cached tokens independent; exact for decode).
 # "causal": each new token also attends to the earlier new ones (prefill of a chunk).
 MODELS = ("independent", "causal")
+# what the CLI, the bench and the page count by default: a step of S new tokens attends within itself
+# causally, as mlakit runs it (the Python functions keep `model="independent"` as their default)
+DEFAULT_COUNTING = "causal"
 MODES = ("absorb", "materialize")
 
 

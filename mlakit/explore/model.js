@@ -122,3 +122,132 @@ function measuredCrossover(rows, cached, batch, dtype) {
   }
   return null;
 }
+
+// ---- terms, bytes and the roofline: mirrors mlakit/cost/terms.py, traffic.py, roofline.py, and the
+// batched step of mlakit/bench/costs.py (what a bench row times: projections + core, B sequences)
+
+function pathTerms(w, mode, n, c, counting) {
+  const h = w.num_heads, L = w.kv_lora_rank, dn = w.qk_nope_head_dim, dr = w.qk_rope_head_dim, dv = w.v_head_dim;
+  const pairs = keysSeen(n, c, counting);
+  if (mode === "materialize") {
+    const t = expandedTokens(n, c, counting);
+    return { expand_k: t * h * dn * L, expand_v: t * h * dv * L, scores: pairs * h * (dn + dr), weighted_sum: pairs * h * dv };
+  }
+  return { fold_q: n * h * dn * L, scores: pairs * h * (L + dr), mix_latents: pairs * h * L, unfold_v: n * h * L * dv };
+}
+
+function projShapes(w) {
+  const d = w.hidden_size, qw = w.num_heads * (w.qk_nope_head_dim + w.qk_rope_head_dim);
+  const s = {};
+  if (!w.q_lora_rank) s.q_proj = [d, qw];
+  else {
+    s.q_a_proj = [d, w.q_lora_rank];
+    s.q_b_proj = [w.q_lora_rank, qw];
+  }
+  s.kv_a_proj_with_mqa = [d, w.kv_lora_rank + w.qk_rope_head_dim];
+  s.o_proj = [w.num_heads * w.v_head_dim, d];
+  return s;
+}
+
+function sharedMacs(w, n) {
+  const out = {};
+  for (const [k, [i, o]] of Object.entries(projShapes(w))) out[k] = n * i * o;
+  return out;
+}
+
+function computeDtype(dtype) {
+  return dtype === "fp32" ? "fp32" : "bf16";
+}
+
+function sharedBytes(w, n, dtype) {
+  const e = INPUTS.cache_format.value_bytes[computeDtype(dtype)], out = {};
+  for (const [k, [i, o]] of Object.entries(projShapes(w))) out[k] = (n * i + i * o + n * o) * e;
+  return out;
+}
+
+function cacheRowBytes(w, dtype) {
+  const lay = { vectors: [[1, w.kv_lora_rank]], rope: w.qk_rope_head_dim };
+  const rope = layoutBytes({ vectors: [], rope: lay.rope }, dtype);
+  return [layoutBytes(lay, dtype) - rope, rope];
+}
+
+function pathBytes(w, mode, n, c, counting, dtype) {
+  const h = w.num_heads, L = w.kv_lora_rank, dn = w.qk_nope_head_dim, dr = w.qk_rope_head_dim, dv = w.v_head_dim;
+  const e = INPUTS.cache_format.value_bytes[computeDtype(dtype)];
+  const [latent, rope] = cacheRowBytes(w, dtype);
+  const t = expandedTokens(n, c, counting), nh = n * h;
+  if (mode === "materialize") {
+    return {
+      expand_k: t * latent + h * dn * L * e + t * h * dn * e,
+      expand_v: h * dv * L * e + t * h * dv * e,
+      scores: nh * (dn + dr) * e + t * rope + t * h * dn * e,
+      weighted_sum: t * h * dv * e + nh * dv * e,
+    };
+  }
+  return {
+    fold_q: nh * dn * e + h * dn * L * e + nh * L * e,
+    scores: nh * (L + dr) * e + t * (latent + rope),
+    mix_latents: nh * L * e,
+    unfold_v: nh * L * e + h * L * dv * e + nh * dv * e,
+  };
+}
+
+function termsSeconds(macs, bytes, machine, dtype) {
+  const flops = machine.peak_flops[computeDtype(dtype)];
+  let total = 0;
+  for (const k of Object.keys(macs)) total += Math.max((2 * macs[k]) / flops, bytes[k] / machine.memory_bandwidth);
+  return total;
+}
+
+function pathSeconds(w, mode, n, c, counting, dtype, machine) {
+  return termsSeconds(pathTerms(w, mode, n, c, counting), pathBytes(w, mode, n, c, counting, dtype), machine, dtype);
+}
+
+function batched(perSeq, weights, b) {
+  const out = {};
+  for (const k of Object.keys(perSeq)) out[k] = b * perSeq[k] - (b - 1) * weights[k];
+  return out;
+}
+
+function scaled(terms, b) {
+  const out = {};
+  for (const k of Object.keys(terms)) out[k] = b * terms[k];
+  return out;
+}
+
+// one layer step of `b` sequences (projections + core), as a bench row times it
+function stepSeconds(w, mode, b, n, c, counting, dtype, machine) {
+  const macs = { ...scaled(sharedMacs(w, n), b), ...scaled(pathTerms(w, mode, n, c, counting), b) };
+  const bytes = {
+    ...batched(sharedBytes(w, n, dtype), sharedBytes(w, 0, dtype), b),
+    ...batched(pathBytes(w, mode, n, c, counting, dtype), pathBytes(w, mode, 0, 0, counting, dtype), b),
+  };
+  return termsSeconds(macs, bytes, machine, dtype);
+}
+
+function rooflineCrossover(w, c, machine, dtype, counting, maxNew = 2 ** 24) {
+  const gap = (n) => pathSeconds(w, "materialize", n, c, counting, dtype, machine) - pathSeconds(w, "absorb", n, c, counting, dtype, machine);
+  let prev = 0;
+  if (gap(prev) <= 0) return 0;
+  for (let k = 0; k <= 8 * Math.ceil(Math.log2(maxNew)); k++) {
+    const n = 2 ** (k / 8);
+    if (gap(n) <= 0) {
+      let lo = prev, hi = n;
+      while (hi - lo > 1e-9 * hi) {
+        const mid = (lo + hi) / 2;
+        if (gap(mid) <= 0) hi = mid;
+        else lo = mid;
+      }
+      return hi;
+    }
+    prev = n;
+  }
+  return null;
+}
+
+function formatSeconds(s) {
+  for (const [unit, scale] of [["s", 1], ["ms", 1e-3], ["µs", 1e-6], ["ns", 1e-9]]) {
+    if (Math.abs(s) >= scale || unit === "ns") return Number((s / scale).toPrecision(3)) + " " + unit;
+  }
+  return s + " s";
+}

@@ -1,10 +1,14 @@
 "use strict";
-// Controls, the chart (inline SVG), the crossover box, the cache panel and the bench overlay.
+// Controls, the charts (inline SVG), the boxes, the cache panel, the bench overlay, the URL.
 
 const $ = (id) => document.getElementById(id);
 const SVGNS = "http://www.w3.org/2000/svg";
-const CHART = { width: 720, height: 400, left: 70, right: 70, top: 20, bottom: 50 };
+const CHART = { width: 720, height: 400, left: 70, right: 20, top: 20, bottom: 50 };
+const XCHART = { width: 720, height: 320, left: 70, right: 20, top: 20, bottom: 50 };
 const NEW_MAX = INPUTS.new_range[1];
+const ALL_FIELDS = [...FIELDS, "hidden_size", "q_lora_rank"];
+const VIEW_KEYS = ["model", "context", "counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype"];
+let VIEW = null; // the last valid state, for the hover readouts
 
 function svg(tag, attrs, parent) {
   const el = document.createElementNS(SVGNS, tag);
@@ -22,96 +26,242 @@ function setValue(id, x, text) {
   $(id).textContent = text === undefined ? tokens(x) : text;
 }
 
+function tickLabel(v) {
+  if (v >= 1 << 20 && v % (1 << 20) === 0) return v / (1 << 20) + "M";
+  if (v >= 1024 && v % 1024 === 0) return v / 1024 + "K";
+  return String(v);
+}
+
+function parseGroups(text) {
+  const parts = String(text).split(",").map((p) => p.trim());
+  if (!parts.length || parts.some((p) => !/^[0-9]+$/.test(p) || Number(p) < 1)) return null;
+  return [...new Set(parts.map(Number))];
+}
+
 function readState() {
   const errors = [];
   const name = $("model").value;
   const w = {};
-  for (const f of FIELDS) {
+  for (const f of ALL_FIELDS) {
     w[f] = Number($("custom-" + f).value);
-    if (!Number.isInteger(w[f]) || w[f] <= 0) errors.push(`${f} must be a positive integer, got "${$("custom-" + f).value}"`);
+    const low = f === "q_lora_rank" ? 0 : 1;
+    if (!Number.isInteger(w[f]) || w[f] < low) errors.push(`${f} must be an integer >= ${low}, got "${$("custom-" + f).value}"`);
   }
+  if (w.q_lora_rank === 0) w.q_lora_rank = null;
   if (w.qk_rope_head_dim % 2) errors.push(`qk_rope_head_dim must be even, got ${w.qk_rope_head_dim}`);
   const context = Number($("context").value);
   const [lo, hi] = INPUTS.context_range;
-  if (!Number.isInteger(context) || context < lo || context > hi) {
+  if ($("context").value.trim() === "" || !Number.isInteger(context) || context < lo || context > hi) {
     errors.push(`context must be a whole number of tokens from ${groupDigits(lo)} to ${groupDigits(hi)}, got "${$("context").value}"`);
   }
-  const groups = Number($("gqa-groups").value);
-  if (!Number.isInteger(groups) || groups <= 0) errors.push(`GQA groups must be a positive integer, got "${$("gqa-groups").value}"`);
-  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value };
+  const groups = parseGroups($("gqa-groups").value);
+  if (groups === null) errors.push(`GQA groups must be comma-separated positive integers, got "${$("gqa-groups").value}"`);
+  const machine = $("machine").value === "none" ? null : INPUTS.machines[$("machine").value];
+  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value, machine };
   return { state, errors };
 }
 
 function update() {
   const { state, errors } = readState();
   $("error").textContent = errors.join("; ");
+  for (const id of ["chart", "xchart", "cache-table"]) $(id).classList.toggle("stale", errors.length > 0);
   if (errors.length) return;
+  $("counting-label").textContent = state.counting;
   const exact = crossover(state.w, state.context, state.counting);
   setValue("crossover-exact", exact);
   setValue("crossover-limit", asymptotic(state.w));
-  drawCache(state);
+  $("machine-label").textContent = state.machine ? state.machine.name : "— (pick a machine)";
   const bench = benchView(state);
-  drawChart(state, exact, bench);
+  state.timeDtype = bench ? bench.dtype : state.dtype;
+  const roof = state.machine ? rooflineCrossover(state.w, state.context, state.machine, state.timeDtype, state.counting) : null;
+  if (state.machine) setValue("crossover-roofline", roof);
+  else setValue("crossover-roofline", null, "—");
+  drawCache(state);
+  drawChart(state, exact, roof, bench);
+  drawCrossoverChart(state, bench);
+  VIEW = { state, bench };
+  saveView();
 }
 
-// ---- the chart: both totals against new tokens, log-log
+// ---- the chart: both paths against new tokens, log-log; multiply-adds, or time on a machine
 
-function drawChart(state, exact, bench) {
+function yValue(state, bench, mode, n) {
+  if (!state.machine) return pathMacs(state.w, mode, n, state.context, state.counting);
+  const batch = bench ? bench.batch : 1;
+  return 1e3 * stepSeconds(state.w, mode, batch, n, state.context, state.counting, state.timeDtype, state.machine);
+}
+
+function drawChart(state, exact, roof, bench) {
   const chart = $("chart");
   chart.replaceChildren();
   const ns = [];
   for (let k = 0; k <= 140; k++) ns.push(Math.pow(2, (k * Math.log2(NEW_MAX)) / 140));
   const lines = {};
-  for (const mode of PATHS) lines[mode] = ns.map((n) => [n, pathMacs(state.w, mode, n, state.context, state.counting)]);
-  const all = PATHS.flatMap((m) => lines[m].map((p) => p[1]));
+  for (const mode of PATHS) lines[mode] = ns.map((n) => [n, yValue(state, bench, mode, n)]);
+  const measured = bench && state.machine ? measuredLines(bench) : {};
+  const all = [...PATHS.flatMap((m) => lines[m].map((p) => p[1])), ...Object.values(measured).flatMap((l) => l.map((p) => p[1]))];
   const y = logScale(Math.min(...all), Math.max(...all), CHART.height - CHART.bottom, CHART.top);
   const x = logScale(1, NEW_MAX, CHART.left, CHART.width - CHART.right, true);
-  drawAxes(chart, x, y, "multiply-adds per layer", CHART.left, "end");
-  for (const mode of PATHS) {
-    svg("path", { id: "line-" + mode, class: "line " + mode, d: pathD(lines[mode], x, y) }, chart);
-  }
+  const batch = bench ? bench.batch : 1;
+  const label = state.machine ? `ms per layer step on ${state.machine.name} (batch ${batch})` : "multiply-adds per layer (core)";
+  $("chart-title").textContent = state.machine ? "Predicted (roofline) and measured time against new tokens" : "Multiply-adds of both paths against new tokens";
+  $("chart-note").textContent = state.machine
+    ? `Lines: roofline time of a whole layer step (projections included), ${state.timeDtype}, ${state.counting} counting, on ${state.machine.name}; dots: measured medians. Same axis.`
+    : "Attention core only: the shared projections (q, kv down, o_proj) are the same for both paths. Pick a machine to compare with measured times.";
+  drawAxes(chart, x, y, CHART, label, "new tokens (1 = decode)");
+  for (const mode of PATHS) svg("path", { id: "line-" + mode, class: "line " + mode, d: pathD(lines[mode], x, y) }, chart);
   const marker = svg("g", { id: "crossover-marker", "data-new": exact === null ? "none" : String(exact) }, chart);
-  if (exact !== null && exact >= 1 && exact <= NEW_MAX) {
-    svg("line", { x1: x.at(exact), x2: x.at(exact), y1: CHART.top, y2: CHART.height - CHART.bottom, class: "marker" }, marker);
-    svg("text", { x: x.at(exact) + 4, y: CHART.top + 12, class: "marker-label" }, marker).textContent = "crossover " + exact.toFixed(1);
+  const at = state.machine ? roof : exact;
+  if (at !== null && at >= 1 && at <= NEW_MAX) {
+    svg("line", { x1: x.at(at), x2: x.at(at), y1: CHART.top, y2: CHART.height - CHART.bottom, class: "marker" }, marker);
+    const text = (state.machine ? "roofline " : "crossover ") + at.toFixed(1);
+    svg("text", { x: x.at(at) + 4, y: CHART.top + 12, class: "marker-label" }, marker).textContent = text;
   } else {
     marker.setAttribute("visibility", "hidden");
   }
-  if (bench) drawBench(chart, x, bench);
+  if (bench && state.machine) drawBench(chart, x, y, bench, measured);
+  svg("line", { id: "hover-line", class: "hover-line", x1: 0, x2: 0, y1: CHART.top, y2: CHART.height - CHART.bottom, visibility: "hidden" }, chart);
+  chart.xScale = x;
+  chart.yScale = y;
 }
 
 function logScale(lo, hi, p0, p1, exactEnds) {
   const a = exactEnds ? Math.log10(lo) : Math.floor(Math.log10(lo));
   const b = exactEnds ? Math.log10(hi) : Math.max(Math.ceil(Math.log10(hi)), a + 1);
-  return { lo: a, hi: b, at: (v) => p0 + ((Math.log10(v) - a) / (b - a)) * (p1 - p0) };
+  return { lo: a, hi: b, p0, p1, at: (v) => p0 + ((Math.log10(v) - a) / (b - a)) * (p1 - p0), inv: (p) => 10 ** (a + ((p - p0) / (p1 - p0)) * (b - a)) };
 }
 
 function pathD(points, x, y) {
   return points.map(([n, v], i) => (i ? "L" : "M") + x.at(n).toFixed(2) + "," + y.at(v).toFixed(2)).join(" ");
 }
 
-function drawAxes(chart, x, y, label, yPos, anchor) {
-  const bottom = CHART.height - CHART.bottom;
-  for (let e = 0; e <= Math.floor(x.hi); e++) {
-    const px = x.at(10 ** e);
-    svg("line", { x1: px, x2: px, y1: CHART.top, y2: bottom, class: "grid" }, chart);
-    svg("text", { x: px, y: bottom + 18, class: "tick", "text-anchor": "middle" }, chart).textContent =
-      e >= 3 ? 10 ** (e - 3) + "K" : String(10 ** e);
+function drawAxes(chart, x, y, box, label, xlabel) {
+  const bottom = box.height - box.bottom;
+  const lo = 10 ** x.lo, hi = 10 ** x.hi;
+  for (let e = 0; 4 ** e <= hi; e++) {
+    const v = 4 ** e;
+    if (v < lo) continue;
+    const px = x.at(v);
+    svg("line", { x1: px, x2: px, y1: box.top, y2: bottom, class: "grid" }, chart);
+    svg("text", { x: px, y: bottom + 18, class: "tick", "text-anchor": "middle" }, chart).textContent = tickLabel(v);
   }
-  svg("text", { x: (CHART.left + CHART.width - CHART.right) / 2, y: CHART.height - 8, class: "axis-label", "text-anchor": "middle" }, chart).textContent =
-    "new tokens (1 = decode)";
-  yAxis(chart, y, label, yPos, anchor, true);
-}
-
-function yAxis(chart, y, label, xPos, anchor, grid) {
-  const left = anchor === "end";
+  svg("text", { x: (box.left + box.width - box.right) / 2, y: box.height - 8, class: "axis-label", "text-anchor": "middle" }, chart).textContent = xlabel;
   for (let e = Math.ceil(y.lo); e <= Math.floor(y.hi); e++) {
     const py = y.at(10 ** e);
-    if (grid) svg("line", { x1: CHART.left, x2: CHART.width - CHART.right, y1: py, y2: py, class: "grid" }, chart);
-    svg("text", { x: xPos + (left ? -6 : 6), y: py + 4, class: "tick", "text-anchor": anchor }, chart).textContent = "1e" + e;
+    svg("line", { x1: box.left, x2: box.width - box.right, y1: py, y2: py, class: "grid" }, chart);
+    svg("text", { x: box.left - 6, y: py + 4, class: "tick", "text-anchor": "end" }, chart).textContent = yTick(e);
   }
-  const lx = left ? 14 : CHART.width - 10;
-  svg("text", { x: lx, y: CHART.height / 2, class: "axis-label", transform: `rotate(-90 ${lx} ${CHART.height / 2})`, "text-anchor": "middle" }, chart).textContent = label;
+  svg("text", { x: 14, y: box.height / 2, class: "axis-label", transform: `rotate(-90 14 ${box.height / 2})`, "text-anchor": "middle" }, chart).textContent = label;
+}
+
+function yTick(e) {
+  if (e >= 0 && e <= 3) return String(10 ** e);
+  if (e < 0 && e >= -3) return (10 ** e).toFixed(-e);
+  return "1e" + e;
+}
+
+// ---- the second chart: the crossover against cached tokens
+
+function drawCrossoverChart(state, bench) {
+  const chart = $("xchart");
+  chart.replaceChildren();
+  const [lo, hi] = INPUTS.context_range;
+  const cs = [];
+  for (let k = 0; k <= 80; k++) cs.push(Math.round(2 ** (Math.log2(lo) + (k * (Math.log2(hi) - Math.log2(lo))) / 80)));
+  const other = state.counting === "causal" ? "independent" : "causal";
+  const series = { main: [], other: [], roof: [] };
+  for (const c of cs) {
+    const a = crossover(state.w, c, state.counting), b = crossover(state.w, c, other);
+    if (a !== null && a > 0) series.main.push([c, a]);
+    if (b !== null && b > 0) series.other.push([c, b]);
+    if (state.machine) {
+      const r = rooflineCrossover(state.w, c, state.machine, state.timeDtype, state.counting);
+      if (r !== null && r > 0) series.roof.push([c, r]);
+    }
+  }
+  const points = bench ? measuredPoints(bench) : [];
+  const ys = [...series.main, ...series.other, ...series.roof, ...points].map((p) => p[1]);
+  if (!ys.length) ys.push(1, 10);
+  const x = logScale(lo, hi, XCHART.left, XCHART.width - XCHART.right, true);
+  const y = logScale(Math.min(...ys), Math.max(...ys), XCHART.height - XCHART.bottom, XCHART.top);
+  drawAxes(chart, x, y, XCHART, "crossover, new tokens", "cached tokens");
+  const cls = { main: "line main", other: "line other", roof: "line roof" };
+  for (const [k, pts] of Object.entries(series)) {
+    if (pts.length) svg("path", { id: "xline-" + k, class: cls[k], d: pathD(pts, x, y) }, chart);
+  }
+  for (const [c, m] of points) svg("circle", { class: "dot cross measured-cross", cx: x.at(Math.max(c, lo)), cy: y.at(m), r: 4, "data-context": c, "data-new": m }, chart);
+  svg("line", { class: "context-line", x1: x.at(state.context), x2: x.at(state.context), y1: XCHART.top, y2: XCHART.height - XCHART.bottom }, chart);
+  svg("line", { id: "xhover-line", class: "hover-line", x1: 0, x2: 0, y1: XCHART.top, y2: XCHART.height - XCHART.bottom, visibility: "hidden" }, chart);
+  chart.xScale = x;
+}
+
+function measuredPoints(bench) {
+  const cached = [...new Set(bench.rows.filter((r) => r.batch === bench.batch && r.dtype === bench.dtype).map((r) => r.cached))];
+  return cached
+    .map((c) => [c, measuredCrossover(bench.rows, c, bench.batch, bench.dtype)])
+    .filter((p) => p[1] !== null && p[1] > 0);
+}
+
+// ---- hover readouts
+
+function chartX(chart, event) {
+  const box = chart.getBoundingClientRect();
+  return ((event.clientX - box.left) / box.width) * chart.viewBox.baseVal.width;
+}
+
+function onHover(event) {
+  const chart = $("chart");
+  if (!VIEW || !chart.xScale) return;
+  const px = chartX(chart, event);
+  if (px < CHART.left || px > CHART.width - CHART.right) return;
+  showReadout(Math.max(1, Math.round(chart.xScale.inv(px))));
+}
+
+function showReadout(n) {
+  const { state, bench } = VIEW;
+  const chart = $("chart");
+  const line = $("hover-line");
+  line.setAttribute("x1", chart.xScale.at(n));
+  line.setAttribute("x2", chart.xScale.at(n));
+  line.setAttribute("visibility", "visible");
+  const parts = [`new ${groupDigits(n)}`];
+  const out = $("readout");
+  out.dataset.new = String(n);
+  for (const mode of PATHS) {
+    const v = yValue(state, bench, mode, n);
+    out.dataset[mode] = String(v);
+    parts.push(`${mode} ${state.machine ? formatSeconds(v / 1e3) : v.toExponential(3) + " MACs"}`);
+  }
+  if (bench && state.machine) {
+    for (const mode of PATHS) {
+      const hit = series(bench.rows, "mlakit-" + mode, bench.cached, bench.batch, bench.dtype).find((p) => p[0] === n);
+      if (hit) parts.push(`measured ${mode} ${formatSeconds(hit[1] / 1e3)}`);
+    }
+  }
+  out.textContent = parts.join(" · ");
+}
+
+function onCrossHover(event) {
+  const chart = $("xchart");
+  if (!VIEW || !chart.xScale) return;
+  const px = chartX(chart, event);
+  if (px < XCHART.left || px > XCHART.width - XCHART.right) return;
+  showCrossReadout(Math.max(1, Math.round(chart.xScale.inv(px))));
+}
+
+function showCrossReadout(c) {
+  const { state } = VIEW;
+  const chart = $("xchart");
+  $("xhover-line").setAttribute("x1", chart.xScale.at(c));
+  $("xhover-line").setAttribute("x2", chart.xScale.at(c));
+  $("xhover-line").setAttribute("visibility", "visible");
+  const x = crossover(state.w, c, state.counting);
+  const out = $("xreadout");
+  out.dataset.context = String(c);
+  out.dataset.value = x === null ? "none" : String(x);
+  const parts = [`cached ${groupDigits(c)}: crossover ${tokens(x)} (${state.counting})`];
+  if (state.machine) parts.push(`roofline on ${state.machine.name} ${tokens(rooflineCrossover(state.w, c, state.machine, state.timeDtype, state.counting))}`);
+  out.textContent = parts.join(" · ");
 }
 
 // ---- the cache panel
@@ -119,7 +269,8 @@ function yAxis(chart, y, label, xPos, anchor, grid) {
 function drawCache(state) {
   const body = $("cache-body");
   body.replaceChildren();
-  const lays = layouts(state.w, [state.groups]);
+  const groups = [...new Set([...INPUTS.gqa_groups, ...state.groups])].sort((a, b) => a - b);
+  const lays = layouts(state.w, groups);
   for (const [kind, lay] of Object.entries(lays)) {
     const perLayer = layoutBytes(lay, state.dtype);
     const perToken = perLayer * state.w.num_layers;
@@ -142,8 +293,10 @@ function drawCache(state) {
     }
     body.appendChild(tr);
   }
-  const g = state.groups;
-  $("gqa-note").textContent = "gqa" + g in lays ? "" : `GQA with ${g} groups is not defined for ${state.w.num_heads} heads (1 < g < heads, g divides heads).`;
+  const missing = state.groups.filter((g) => !("gqa" + g in lays));
+  $("gqa-note").textContent = missing.length
+    ? `GQA with ${missing.join(", ")} groups is not defined for ${state.w.num_heads} heads (1 < g < heads, g divides heads).`
+    : "";
   const equiv = layoutValues(lays.mla) / (state.w.qk_nope_head_dim + state.w.v_head_dim);
   setValue("gqa-equivalent", equiv, equiv.toFixed(2));
   $("sequence-label").textContent = groupDigits(state.context);
@@ -160,7 +313,7 @@ function benchView(state) {
     clearBench();
     return null;
   }
-  $("bench-note").textContent = "";
+  $("bench-note").textContent = state.machine ? "" : "Pick a machine (the measured profile) to see the measured times on the chart.";
   fillSelect("bench-batch", [...new Set(rows.map((r) => r.batch))].sort((a, b) => a - b));
   fillSelect("bench-dtype", [...new Set(rows.map((r) => r.dtype))].sort());
   const batch = Number($("bench-batch").value), dtype = $("bench-dtype").value;
@@ -191,17 +344,17 @@ function fillSelect(id, values) {
   }
 }
 
-function drawBench(chart, x, bench) {
+function measuredLines(bench) {
   const lines = {};
   for (const mode of PATHS) lines[mode] = series(bench.rows, "mlakit-" + mode, bench.cached, bench.batch, bench.dtype);
-  const all = PATHS.flatMap((m) => lines[m].map((p) => p[1]));
-  if (!all.length) return;
-  const y = logScale(Math.min(...all), Math.max(...all), CHART.height - CHART.bottom, CHART.top);
-  yAxis(chart, y, "measured ms", CHART.width - CHART.right, "start", false);
+  return lines;
+}
+
+function drawBench(chart, x, y, bench, lines) {
   for (const mode of PATHS) {
     if (!lines[mode].length) continue;
     svg("path", { id: "line-measured-" + mode, class: "measured " + mode, d: pathD(lines[mode], x, y) }, chart);
-    for (const [n, ms] of lines[mode]) svg("circle", { cx: x.at(n), cy: y.at(ms), r: 3, class: "dot " + mode }, chart);
+    for (const [n, ms] of lines[mode]) svg("circle", { cx: x.at(n), cy: y.at(ms), r: 3, class: "dot " + mode, "data-new": n, "data-ms": ms }, chart);
   }
   const m = measuredCrossover(bench.rows, bench.cached, bench.batch, bench.dtype);
   if (m !== null && m >= 1 && m <= NEW_MAX) {
@@ -210,10 +363,38 @@ function drawBench(chart, x, bench) {
   }
 }
 
+// ---- the view in the URL: #model=...&context=...; a link reproduces it
+
+function saveView() {
+  const p = new URLSearchParams();
+  for (const k of VIEW_KEYS) if ($(k).value !== "") p.set(k, $(k).value);
+  if ($("model").value === "custom") for (const f of ALL_FIELDS) p.set(f, $("custom-" + f).value);
+  const hash = "#" + p.toString();
+  if (location.hash !== hash) history.replaceState(null, "", hash);
+}
+
+function loadView() {
+  const p = new URLSearchParams(location.hash.slice(1));
+  if (p.has("model") && (p.get("model") in INPUTS.presets || p.get("model") === "custom")) {
+    $("model").value = p.get("model");
+    if (p.get("model") !== "custom") fillCustom(INPUTS.presets[p.get("model")]);
+  }
+  if ($("model").value === "custom") for (const f of ALL_FIELDS) if (p.has(f)) $("custom-" + f).value = p.get(f);
+  for (const k of VIEW_KEYS.slice(1)) {
+    if (!p.has(k)) continue;
+    const el = $(k);
+    if (el.tagName === "SELECT" && ![...el.options].some((o) => o.value === p.get(k))) {
+      if (k.startsWith("bench-")) el.replaceChildren(new Option(p.get(k), p.get(k)));
+      else continue;
+    }
+    el.value = p.get(k);
+  }
+}
+
 // ---- controls
 
 function fillCustom(w) {
-  for (const f of FIELDS) $("custom-" + f).value = w[f];
+  for (const f of ALL_FIELDS) $("custom-" + f).value = w[f] === null ? 0 : w[f];
 }
 
 function syncSlider() {
@@ -225,21 +406,28 @@ function init() {
   const sel = $("model");
   for (const name of Object.keys(INPUTS.presets)) sel.add(new Option(name, name));
   sel.add(new Option("custom widths", "custom"));
+  const msel = $("machine");
+  msel.add(new Option("none: count multiply-adds", "none"));
+  for (const [key, m] of Object.entries(INPUTS.machines)) msel.add(new Option(key === "measured" ? `measured profile (${m.name})` : m.name, key));
   sel.value = INPUTS.start.model;
   fillCustom(INPUTS.presets[sel.value]);
   $("context").value = INPUTS.start.context;
+  $("counting").value = INPUTS.start.counting;
+  msel.value = INPUTS.start.machine;
   $("context").min = INPUTS.context_range[0];
   $("context").max = INPUTS.context_range[1];
   $("context-slider").min = Math.log2(INPUTS.context_range[0]);
   $("context-slider").max = Math.log2(INPUTS.context_range[1]);
-  syncSlider();
   $("gqa-groups").value = Math.max(...INPUTS.gqa_groups);
+  if (INPUTS.bench && INPUTS.bench.dtype) $("dtype").value = INPUTS.bench.dtype;
   $("bench").hidden = !INPUTS.bench;
+  loadView();
+  syncSlider();
   sel.addEventListener("change", () => {
     if (sel.value !== "custom") fillCustom(INPUTS.presets[sel.value]);
     update();
   });
-  for (const f of FIELDS) {
+  for (const f of ALL_FIELDS) {
     $("custom-" + f).addEventListener("input", () => {
       sel.value = "custom";
       update();
@@ -253,10 +441,17 @@ function init() {
     $("context").value = Math.round(2 ** Number($("context-slider").value));
     update();
   });
-  for (const id of ["counting", "dtype", "gqa-groups", "bench-batch", "bench-dtype"]) {
+  for (const id of ["counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype"]) {
     $(id).addEventListener("input", update);
     $(id).addEventListener("change", update);
   }
+  $("chart").addEventListener("mousemove", onHover);
+  $("xchart").addEventListener("mousemove", onCrossHover);
+  window.addEventListener("hashchange", () => {
+    loadView();
+    syncSlider();
+    update();
+  });
   update();
 }
 

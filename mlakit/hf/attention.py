@@ -16,15 +16,18 @@ from torch import nn
 from mlakit.attention import MLAAttention, project_unrotated
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
+from mlakit.hf.families import FAMILIES, supported
+from mlakit.hf.traced import (
+    absorb_masked,
+    causal_mask,
+    is_traced,
+    materialize_masked,
+    traced_mode,
+)
 from mlakit.ops import absorb, materialize
 
-# attention class name → (its modeling module, rope convention)
-SUPPORTED_ATTENTION = {
-    "DeepseekV2Attention": ("transformers.models.deepseek_v2.modeling_deepseek_v2", "complex"),
-    "DeepseekV3Attention": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "cos_sin"),
-    "Glm4MoeLiteAttention": ("transformers.models.glm4_moe_lite.modeling_glm4_moe_lite", "cos_sin"),
-    "MiniCPM3Attention": ("transformers.models.minicpm3.modeling_minicpm3", "half"),
-}
+# attention class name → (its modeling module, rope convention), for the families mlakit patches
+SUPPORTED_ATTENTION = {name: (FAMILIES[name].modeling_module, FAMILIES[name].rope) for name in supported()}
 SUBMODULES = (
     "q_proj",
     "q_a_proj",
@@ -34,6 +37,7 @@ SUBMODULES = (
     "kv_a_layernorm",
     "kv_b_proj",
     "o_proj",
+    "g_proj",
 )
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -50,7 +54,8 @@ class PatchedMLAAttention(nn.Module):
     def __init__(self, original: nn.Module, mode: str = "auto"):
         super().__init__()
         check_mode(mode)
-        module_path, self.rope_kind = SUPPORTED_ATTENTION[type(original).__name__]
+        module_path, self.rope_kind = self.family_of(original)
+        self.family = FAMILIES[type(original).__name__]
         self.rope_module = sys.modules[module_path]
         for name in SUBMODULES:
             sub = getattr(original, name, None)
@@ -73,11 +78,13 @@ class PatchedMLAAttention(nn.Module):
         self.mode = mode
         self.last_mode: str | None = None
         self.train(original.training)
-        self.register_buffer("w_uk", None, persistent=False)
-        self.register_buffer("w_uv", None, persistent=False)
-        self._derived_key: tuple | None = None
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
+
+    @classmethod
+    def family_of(cls, original: nn.Module) -> tuple[str, str]:
+        """(modeling module, rope convention) of the attention this class replaces."""
+        return SUPPORTED_ATTENTION[type(original).__name__]
 
     def forward(
         self,
@@ -91,35 +98,93 @@ class PatchedMLAAttention(nn.Module):
             cache = kwargs.pop("past_key_values", None)
         self._check_call(position_embeddings, kwargs)
         batch, new, _ = hidden_states.shape
-        past, total = cached_tokens(cache, self.layer_idx, new)
-        key_mask = key_padding(attention_mask, batch, new, past + new, total)
-        q_nope, q_rot, c_kv, k_rot = self._project(hidden_states, position_embeddings)
+        if is_traced():
+            # under torch.compile / torch.export: static sizes only (see mlakit.hf.traced)
+            past, (total, context) = None, key_length(cache, self.layer_idx, new)
+            check_mask_shape(attention_mask, batch, new, total)
+        else:
+            past, total = cached_tokens(cache, self.layer_idx, new)
+            key_mask = key_padding(attention_mask, batch, new, past + new, total)
+        q_nope, q_rot, c_kv, k_rot = self._project(hidden_states, position_embeddings, kwargs)
         if cache is not None:
             c_kv, k_rot = cache.update(c_kv, k_rot, self.layer_idx, kwargs=kwargs)
-        run = choose(self.cfg, new, past) if self.mode == "auto" else self.mode
-        kv_lens = torch.full((batch,), past + new, dtype=torch.long)
-        out = self._attend(run, q_nope, q_rot, c_kv[:, 0], k_rot[:, 0], kv_lens, key_mask)
+        if past is None:
+            c_kv, k_rot = c_kv[:, 0], k_rot[:, 0]
+            run, out = self._attend_traced(q_nope, q_rot, c_kv, k_rot, attention_mask, cache, context)
+        else:
+            run = choose(self.cfg, new, past) if self.mode == "auto" else self.mode
+            kv_lens = torch.full((batch,), past + new, dtype=torch.long)
+            out = self._attend(run, q_nope, q_rot, c_kv[:, 0], k_rot[:, 0], kv_lens, key_mask)
         self.last_mode = run
-        return self.o_proj(out.reshape(batch, new, -1)), None
+        return self.o_proj(self._gate(hidden_states, out).reshape(batch, new, -1)), None
 
-    def _project(self, hidden_states, position_embeddings):
+    def _attend_traced(self, q_nope, q_rot, c_kv, k_rot, mask, cache, context) -> tuple[str, torch.Tensor]:
+        """(path, out [B,S,H,dv]) over every key of the cache view, transformers' mask applied as is;
+        the path comes from the new-token count and the static `context` (see `key_length`)."""
+        batch, new = q_nope.shape[:2]
+        total = c_kv.shape[1]
+        if mask is None:
+            # a StaticCache's count after the write is a 0-dim tensor; a DynamicCache's is the key length
+            written = cache.layers[self.layer_idx].get_seq_length() if cache is not None else total
+            mask = causal_mask(batch, new, total, written, q_nope.device)
+        run = traced_mode(self.cfg, new, context) if self.mode == "auto" else self.mode
+        attend = absorb_masked if run == "absorb" else materialize_masked
+        w_uk, w_uv = self.up_weights()
+        return run, attend(q_nope, q_rot, c_kv, k_rot, w_uk, w_uv, self.scaling, mask)
+
+    def _project(self, hidden_states, position_embeddings, kwargs):
         """q_nope [B,S,H,dn], q_rot [B,S,H,dr] (rotated), c_kv [B,1,S,L], k_rot [B,1,S,dr] (rotated)."""
         cfg = self.cfg
         batch, new, _ = hidden_states.shape
         q_nope, q_rot, c_kv, k_rot = project_unrotated(self, cfg, hidden_states)
+        q_nope, q_rot, c_kv = self._family_scales(q_nope, q_rot, c_kv)
         # the cache layout transformers uses: single-head 4D latents
         c_kv = c_kv.view(batch, 1, new, cfg.kv_lora_rank)
         k_rot = k_rot.view(batch, 1, new, cfg.qk_rope_head_dim)
         q_rot, k_rot = self._rotate(q_rot.transpose(1, 2), k_rot, position_embeddings)
-        return q_nope, q_rot.transpose(1, 2), c_kv, k_rot
+        q_rot = q_rot.transpose(1, 2)
+        if self.family.query_position_scale:
+            q_nope, q_rot = self._position_scale(q_nope, q_rot, kwargs.get("position_ids"))
+        return q_nope, q_rot, c_kv, k_rot
+
+    def _family_scales(self, q_nope, q_rot, c_kv):
+        """LongCat-Flash's LoRA scales: q × s_q before rope, the normalized latent × s_kv (as cached)."""
+        f, original = self.family, self.original
+        if f.q_scale is not None:
+            s = getattr(original, f.q_scale)
+            q_nope, q_rot = q_nope * s, q_rot * s
+        if f.kv_scale is not None:
+            c_kv = c_kv * getattr(original, f.kv_scale)
+        return q_nope, q_rot, c_kv
+
+    def _position_scale(self, q_nope, q_rot, position_ids):
+        """Mistral 4's Llama-4 query scale per position, with the model's own function."""
+        if position_ids is None:
+            name = type(self.original).__name__
+            raise ValueError(f"{name} needs position_ids for its query scale; got position_ids=None")
+        params = self.config.rope_parameters
+        scale = self.rope_module.get_llama_4_attn_scale(
+            position_ids, params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+        )  # [B, 1, S, 1]
+        scale = scale.transpose(1, 2).to(q_nope.dtype)  # [B, S, 1, 1]
+        return q_nope * scale, q_rot * scale
+
+    def _gate(self, hidden_states, out):
+        """Bailing's per-head output gate: out [B,S,H,dv] × sigmoid(g_proj(hidden)) [B,S,H,1]."""
+        if self.family.head_gate is None:
+            return out
+        gate = getattr(self, self.family.head_gate)(hidden_states)
+        return out * torch.sigmoid(gate.float()).to(hidden_states.dtype).unsqueeze(-1)
 
     def _rotate(self, q_rot, k_rot, position_embeddings):
         """The model's own rope on q [B,H,S,dr] and k [B,1,S,dr]."""
         m = self.rope_module
+        if self.rope_kind == "none":
+            return q_rot, k_rot
         if self.rope_kind == "complex":
             return m.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
         cos, sin = position_embeddings
-        if self.rope_kind == "cos_sin" and self.config.rope_interleave:
+        if self.rope_kind == "interleave" or (self.rope_kind == "config" and self.config.rope_interleave):
             return m.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
         return m.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
 
@@ -142,7 +207,7 @@ class PatchedMLAAttention(nn.Module):
             )
         return out  # [B, S, H, dv]
 
-    # the same derived, compute-dtype copies of W_UK and W_UV as mlakit's own layer keeps
+    # W_UK and W_UV as mlakit's own layer derives them: views (or compute-dtype copies), never stale
     up_weights = MLAAttention.up_weights
 
     def _check_call(self, position_embeddings, kwargs) -> None:
@@ -162,7 +227,7 @@ class PatchedMLAAttention(nn.Module):
                 f"attention_dropout={self.config.attention_dropout} in training mode is not supported "
                 "by mlakit.hf; call model.eval() or unpatch"
             )
-        if position_embeddings is None:
+        if position_embeddings is None and self.rope_kind != "none":
             raise ValueError("position_embeddings is None; the decoder layer must pass the model's rope")
 
     def extra_repr(self) -> str:
@@ -172,8 +237,39 @@ class PatchedMLAAttention(nn.Module):
 def cached_tokens(cache, layer_idx: int, new: int) -> tuple[int, int]:
     """(tokens already cached for this layer, keys the returned cache view will hold); raises for a
     cache mlakit cannot serve, before anything is written."""
-    if cache is None:
+    layer, kind = cache_layer(cache, layer_idx)
+    if kind is None:
         return 0, new
+    if kind == "dynamic":
+        past = layer.get_seq_length() if layer is not None else 0
+        return past, past + new
+    past = int(layer.get_seq_length())
+    if past + new > layer.max_cache_len:
+        raise ValueError(
+            f"static cache layer {layer_idx} holds {past} of {layer.max_cache_len} tokens; "
+            f"{new} more do not fit"
+        )
+    return past, layer.max_cache_len
+
+
+def key_length(cache, layer_idx: int, new: int) -> tuple[int, int | None]:
+    """(keys the returned cache view will hold, the context the path is chosen for) from sizes and
+    types alone: nothing is read from a tensor (a StaticCache that overflows fails in transformers'
+    own write). The context is a StaticCache's fixed length, or None for a DynamicCache, whose length
+    changes every step (and is symbolic once dynamo generalizes it): the long-context crossover."""
+    layer, kind = cache_layer(cache, layer_idx)
+    if kind is None:
+        return new, 0
+    if kind == "dynamic":
+        return (layer.get_seq_length() if layer is not None else 0) + new, None
+    return layer.max_cache_len, layer.max_cache_len
+
+
+def cache_layer(cache, layer_idx: int) -> tuple[object | None, str | None]:
+    """(the cache layer or None when not built yet, "dynamic" | "static" | None without a cache); raises
+    for a cache mlakit cannot serve. Reads types and Python attributes only."""
+    if cache is None:
+        return None, None
     from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
     if type(cache) not in (DynamicCache, StaticCache) or getattr(cache, "offloading", False):
@@ -185,16 +281,9 @@ def cached_tokens(cache, layer_idx: int, new: int) -> tuple[int, int]:
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     kind = type(layer) if layer is not None else cache.layer_class_to_replicate
     if kind is DynamicLayer:
-        past = layer.get_seq_length() if layer is not None else 0
-        return past, past + new
+        return layer, "dynamic"
     if kind is StaticLayer and layer is not None:
-        past = int(layer.get_seq_length())
-        if past + new > layer.max_cache_len:
-            raise ValueError(
-                f"static cache layer {layer_idx} holds {past} of {layer.max_cache_len} tokens; "
-                f"{new} more do not fit"
-            )
-        return past, layer.max_cache_len
+        return layer, "static"
     raise ValueError(
         f"cache layer {layer_idx} of type {getattr(kind, '__name__', kind)} is not supported by mlakit.hf; "
         "expected DynamicLayer or StaticLayer (no sliding window, quantization or linear attention)"
@@ -210,16 +299,7 @@ def key_padding(mask, batch: int, new: int, context: int, total: int) -> torch.T
     """
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        raise ValueError(
-            f"attention_mask reached the attention as {type(mask).__name__} "
-            f"{tuple(getattr(mask, 'shape', ()))}; mlakit.hf expects None or a 4D [B,1,S,T] tensor"
-        )
-    b, heads, q, t = mask.shape
-    if b not in (1, batch) or heads != 1 or q != new or t != total:
-        raise ValueError(
-            f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, 1, {new}, {total})"
-        )
+    check_mask_shape(mask, batch, new, total)
     allowed = mask[:, 0] if mask.dtype == torch.bool else _allowed_from_additive(mask[:, 0])  # [b, S, T]
     keys = allowed.any(dim=1)  # [b, T]
     query_pos = context - new + torch.arange(new, device=mask.device)
@@ -233,6 +313,22 @@ def key_padding(mask, batch: int, new: int, context: int, total: int) -> torch.T
     if bool(keys[:, :context].all()):
         return None
     return keys
+
+
+def check_mask_shape(mask, batch: int, new: int, total: int) -> None:
+    """None or a [B or 1, 1, S, T] tensor; anything else raises (shapes only: nothing is read)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(
+            f"attention_mask reached the attention as {type(mask).__name__} "
+            f"{tuple(getattr(mask, 'shape', ()))}; mlakit.hf expects None or a 4D [B,1,S,T] tensor"
+        )
+    b, heads, q, t = mask.shape
+    if b not in (1, batch) or heads != 1 or q != new or t != total:
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, 1, {new}, {total})"
+        )
 
 
 def _allowed_from_additive(mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Read a transformers MLA config (object, dict, config.json or folder) into MLAConfig fields.
+"""Read a transformers MLA config (object, dict, config.json or folder) into MLAConfig fields, for
+every family `families.FAMILIES` names (a multimodal config: its text config).
 
 Kept apart from `hf.py` so that `MLAConfig.from_hf` never imports transformers.
 """
@@ -10,15 +11,31 @@ import os
 from typing import Any
 
 from mlakit import config_checks as checks
+from mlakit.hf.families import FAMILIES
 
 # model types whose rope pairs are interleaved unless the config says otherwise
-_INTERLEAVED_BY_DEFAULT = {
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v32",
-    "kimi_k2",
-    "glm4_moe_lite",
-    "glm_moe_dsa",
+_INTERLEAVED_BY_DEFAULT = {"kimi_k2", "sarvam_mla"} | {
+    f.model_type for f in FAMILIES.values() if f.rope in ("complex", "config", "interleave")
+}
+# model types whose attention ignores rope_interleave (one layout whatever the config says); DeepSeek-V2
+# and MiniCPM3 keep reading it, as mlakit always did
+_FIXED_LAYOUT = {
+    f.model_type: f.rope == "interleave" for f in FAMILIES.values() if f.rope in ("interleave", "half")
+}
+_FIXED_LAYOUT.pop("minicpm3")
+# model types whose q_a/kv_a layernorms take config.rms_norm_eps (the others build them with 1e-6)
+_LATENT_EPS_FROM_CONFIG = {"hy_v4_vl_text", "dots3_note_text", "glm5_next_text", "mistral_large4_text"}
+
+# DSA models: the layout of the indexer's rope (DeepSeek-V3.2 half-split, GLM-5 interleaved)
+# the indexer's rope layout, read from each family's modeling file (transformers 5.24)
+_INDEXER_ROPE_INTERLEAVE = {
+    "deepseek_v32": False,
+    "glm_moe_dsa": True,
+    "axk2": False,
+    "hy_v4": False,
+    "hy_v4_vl_text": False,
+    "mistral_large4": True,
+    "mistral_large4_text": True,
 }
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
@@ -36,9 +53,14 @@ def load_config_dict(source: Any) -> dict[str, Any]:
             raise ValueError(f"config source {os.fspath(source)!r}: no such config.json or model folder")
         return read_json_object(path, "config")
     if hasattr(source, "to_dict"):
+        if "kv_lora_rank" not in source.to_dict() and hasattr(source, "get_text_config"):
+            source = source.get_text_config()  # a multimodal model: its language model holds the MLA
         d = source.to_dict()
         # a v5 config standardizes rope into rope_parameters; read it from the object when present
-        rope = getattr(source, "rope_parameters", None)
+        try:
+            rope = getattr(source, "rope_parameters", None)
+        except Exception:  # noqa: BLE001 (per-layer configs raise their own error for a global attribute)
+            rope = None
         if rope is not None:
             d["rope_parameters"] = dict(rope)
         return d
@@ -70,7 +92,10 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters must be a dict or null, got {params!r} ({type(params).__name__})")
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported for MLA configs")
+        raise ValueError(
+            f"{d.get('model_type', 'this config')}: per-layer-type rope_parameters "
+            f"({', '.join(params)}) are not supported for MLA configs"
+        )
     theta = params.get("rope_theta")
     if theta is None:
         theta = d.get("rope_theta", 10000.0)
@@ -88,7 +113,9 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    """MLAConfig keyword arguments from a transformers config dict."""
+    """MLAConfig keyword arguments from a transformers config dict (a multimodal one: its text_config)."""
+    if "kv_lora_rank" not in d and isinstance(d.get("text_config"), dict):
+        d = d["text_config"]
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"config has no {', '.join(missing)}: not an MLA model config")
@@ -105,7 +132,7 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
             )
     model_type = d.get("model_type")
     model_type = "" if model_type is None else checks.text("model_type", model_type)
-    interleave = d.get("rope_interleave")
+    interleave = _FIXED_LAYOUT.get(model_type, d.get("rope_interleave"))
     if interleave is None:
         interleave = model_type in _INTERLEAVED_BY_DEFAULT
     layers = d.get("num_hidden_layers")
@@ -124,13 +151,44 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         qk_nope_head_dim=d["qk_nope_head_dim"],
         qk_rope_head_dim=d["qk_rope_head_dim"],
         v_head_dim=v_head_dim,
-        num_layers=layers,
+        num_layers=_num_layers(d, layers),
         rope_theta=theta,
         rope_scaling=scaling,
         rope_interleave=checks.boolean("rope_interleave", interleave),
-        # transformers' attention builds its two latent norms with eps 1e-6 whatever rms_norm_eps says
-        rms_norm_eps=1e-6,
+        # most families build the two latent norms with eps 1e-6 whatever rms_norm_eps says
+        rms_norm_eps=d["rms_norm_eps"] if model_type in _LATENT_EPS_FROM_CONFIG else 1e-6,
         attention_bias=False if bias is None else checks.boolean("attention_bias", bias),
         max_position_embeddings=4096 if max_pos is None else max_pos,
         name=checks.text("_name_or_path", name),
+        **indexer_kwargs(d),
     )
+
+
+def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
+    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises."""
+    if d.get("index_topk") is None:
+        return {}
+    model_type = d.get("model_type", "")
+    interleave = d.get("indexer_rope_interleave", _INDEXER_ROPE_INTERLEAVE.get(model_type))
+    if interleave is None:
+        raise ValueError(
+            f"config of model_type {model_type!r} has an indexer (index_topk) but mlakit does not know its "
+            f"indexer rope layout; known: {sorted(_INDEXER_ROPE_INTERLEAVE)}"
+        )
+    return dict(
+        index_n_heads=d.get("index_n_heads"),
+        index_head_dim=d.get("index_head_dim"),
+        index_topk=d["index_topk"],
+        indexer_rope_interleave=checks.boolean("indexer_rope_interleave", interleave),
+    )
+
+
+def _num_layers(d: dict[str, Any], layers: int) -> int:
+    """MLA layers (what the latent cache holds): LongCat-Flash has two per decoder layer and names them
+    num_layers; a hybrid (Kimi Linear, Ling 3) counts the layers that are not linear attention."""
+    if d.get("model_type") == "longcat_flash" and d.get("num_hidden_layers") is None:
+        return 2 * checks.positive_int("num_layers", d.get("num_layers"))
+    kinds = d.get("layer_types")
+    if isinstance(kinds, list) and "linear_attention" in kinds:
+        return sum(kind != "linear_attention" for kind in kinds)
+    return layers

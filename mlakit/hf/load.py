@@ -39,27 +39,34 @@ def load_attention(
     folder = _check_arguments(path, dtype, device)
     config = load_config_dict(folder)
     cfg = MLAConfig.from_hf(config)
-    # without num_hidden_layers the config does not bound the layer: the checkpoint's names do
-    bounded = config.get("num_hidden_layers") is not None
-    valid = f"0..{cfg.num_layers - 1}" if bounded else ">= 0"
+    limit = _layer_limit(config, cfg)
+    valid = f"0..{limit - 1}" if limit is not None else ">= 0"
     if (
         isinstance(layer, bool)
         or not isinstance(layer, numbers.Integral)
         or layer < 0
-        or (bounded and layer >= cfg.num_layers)
+        or (limit is not None and layer >= limit)
     ):
         raise ValueError(f"layer must be an integer in {valid}, got {layer!r}")
     layer = int(layer)
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and layer < len(kinds) and kinds[layer] == "linear_attention":
+        raise ValueError(f"layer {layer} is a linear-attention layer of this hybrid model, not MLA")
     dtype = dtype or _config_dtype(config)
     files = tensor_files(folder)
-    prefix = layer_prefix(files, layer)
+    if config.get("model_type") == "longcat_flash":  # MLA layer i: decoder layer i // 2, sublayer i % 2
+        prefix = layer_prefix(files, layer // 2, sub=layer % 2)
+    else:
+        prefix = layer_prefix(files, layer)
     module = MLAAttention(cfg, device="meta", dtype=dtype)
     shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    # the module's own dtype per tensor: `dtype`, except what it keeps in fp32 (indexer.weights_proj)
+    dtypes = {name: t.dtype for name, t in module.state_dict().items()}
     block = _block_size(config)
     state = read_layer(folder, files, prefix, shapes, block)
-    state = {name: t.to(dtype) for name, t in state.items()}
+    state = {name: t.to(dtypes[name]) for name, t in state.items()}
     for name, t in state.items():
-        _check_finite(f"{prefix}{name} (as {dtype})", t)
+        _check_finite(f"{prefix}{name} (as {dtypes[name]})", t)
     module.load_state_dict(state, assign=True)
     return module.to(device) if device is not None else module
 
@@ -128,15 +135,26 @@ def _read_index(index: str) -> dict[str, str]:
     return weight_map
 
 
-def layer_prefix(files: dict[str, str], layer: int) -> str:
-    """The name prefix of layer `layer`'s attention tensors, e.g. 'model.layers.3.self_attn.'."""
-    pattern = re.compile(rf"^(.*?\blayers\.{layer}\.self_attn\.)")
+def layer_prefix(files: dict[str, str], layer: int, sub: int | None = None) -> str:
+    """The name prefix of layer `layer`'s attention tensors, e.g. 'model.layers.3.self_attn.'
+    ('model.layers.3.self_attn.1.' for sublayer 1 of a decoder layer holding two, as LongCat-Flash's)."""
+    site = f"layers.{layer}.self_attn." + ("" if sub is None else f"{sub}.")
+    pattern = re.compile(rf"^(.*?\b{re.escape(site)})")
     prefixes = sorted({m.group(1) for name in files if (m := pattern.match(name))})
     if not prefixes:
-        raise ValueError(f"checkpoint has no tensor named '*layers.{layer}.self_attn.*'")
+        raise ValueError(f"checkpoint has no tensor named '*{site}*'")
     if len(prefixes) > 1:
         raise ValueError(f"layer {layer} is ambiguous: attention tensors under {prefixes}")
     return prefixes[0]
+
+
+def _layer_limit(config: dict, cfg: MLAConfig) -> int | None:
+    """How many layers `layer` may index: LongCat-Flash's MLA sublayers, else the decoder layers (a
+    hybrid's include its linear-attention ones); None when the config does not say."""
+    if config.get("model_type") == "longcat_flash":
+        return cfg.num_layers
+    layers = config.get("num_hidden_layers")
+    return None if layers is None else int(layers)
 
 
 def read_layer(

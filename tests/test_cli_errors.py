@@ -1,0 +1,158 @@
+"""Every mistake a user can make on the command line: one line `mlakit CMD: error: ...`, exit 2, no
+traceback, nothing written, and refused before any work (a run that started measuring would time out)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlakit.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = {  # written into the test's folder before the command runs
+    "a-file": "not a folder\n",
+    "list.json": "[1, 2, 3]\n",
+    "garbage.json": "garbage\n",
+    "empty/config.json": "",
+    "tiny-rate.json": json.dumps(
+        {"name": "slow", "peak_flops": {"fp32": 1e-300, "bf16": 1e-300}, "memory_bandwidth": 1e-300}
+    ),
+}
+
+CASES = {
+    "bench-out-existing-file": ["bench", "--out", "a-file"],
+    "bench-out-under-a-file": ["bench", "--out", "a-file/sub"],
+    "bench-out-empty": ["bench", "--out", ""],
+    "bench-huge-context": ["bench", "--context", "100000000", "--new", "1000000"],
+    "bench-huge-batch": ["bench", "--batch", "100000"],
+    "bench-empty-batch": ["bench", "--batch", ""],
+    "bench-batch-commas": ["bench", "--batch", "1,,2"],
+    "bench-device-nonsense": ["bench", "--device", "nonsense"],
+    "bench-device-tpu": ["bench", "--device", "tpu"],
+    "bench-model-json-list": ["bench", "--model", "list.json"],
+    "bench-threads-zero": ["bench", "--threads", "0"],
+    "explore-out-folder": ["explore", "--out", "empty"],
+    "explore-out-empty": ["explore", "--out", ""],
+    "explore-bench-garbage": ["explore", "--bench", "garbage.json"],
+    "check-huge-prefill": ["check", "--prefill", "1000000"],
+    "check-huge-batch": ["check", "--batch", "1000000"],
+    "check-decode-steps": ["check", "--decode-steps", "1000000000"],
+    "check-model-empty-folder": ["check", "--model", "empty/"],
+    "cost-context-power": ["cost", "--context", "10^300", "--new", "1"],
+    "cost-context-digits": ["cost", "--context", "1" + "0" * 300, "--new", "1"],
+    "cost-machine-garbage": ["cost", "--context", "4K", "--new", "1", "--machine", "garbage.json"],
+    "cost-machine-missing": ["cost", "--context", "4K", "--new", "1", "--machine", "nope.json"],
+    "cost-infinity-json": ["cost", "--context", "4K", "--new", "1", "--machine", "tiny-rate.json", "--json"],
+    "cost-model-json-list": ["cost", "--context", "4K", "--new", "1", "--model", "list.json"],
+    "crossover-model-empty": ["crossover", "--model", "empty/"],
+    "crossover-context-negative": ["crossover", "--context", "-5"],
+    "cache-cp-huge": ["cache", "--cp", "1000000000"],
+    "cache-tp-over-heads": ["cache", "--tp", "1024"],
+    "cache-gqa-commas": ["cache", "--gqa-groups", ",,,"],
+    "cache-gqa-letters": ["cache", "--gqa-groups", "4,x"],
+    "cache-context-junk": ["cache", "--context", "4Q"],
+    "cp-check-context-huge": ["cp-check", "--context", "1000000000000"],
+    "cp-check-world-size-64": ["cp-check", "--world-size", "64"],
+    "cp-check-world-size-0": ["cp-check", "--world-size", "0"],
+    "calibrate-max-new-0": ["calibrate", "--max-new", "0"],
+    "calibrate-device-nonsense": ["calibrate", "--device", "nonsense"],
+    "calibrate-out-folder-is-file": ["calibrate", "--out", "a-file/x.json"],
+    "unknown-command": ["frobnicate"],
+    "models-bad-flag": ["models", "--bogus"],
+}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    for name, text in FILES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLAKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    # a machine with 8 GiB free, whatever runs the tests
+    monkeypatch.setattr("mlakit.commands.args.available_memory", lambda: 8 << 30)
+    return tmp_path
+
+
+def listing(root) -> dict:
+    return {
+        os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+@pytest.mark.parametrize("argv", list(CASES.values()), ids=list(CASES))
+def test_one_line_exit_2_nothing_written(argv, workdir, capsys):
+    before = listing(workdir)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    command = argv[0] if argv[0] != "frobnicate" else ""
+    prefix = f"mlakit {command}: error: " if command else "mlakit: error: "
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    assert "Traceback" not in err and out == ""
+    assert listing(workdir) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cache", "--context", "4K", "--json"],
+        ["crossover", "--context", "4K", "--json"],
+        ["cost", "--context", "4K", "--new", "1K", "--json"],
+    ],
+    ids=["cache", "crossover", "cost"],
+)
+def test_4k_means_4096_everywhere(argv, capsys):
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 4096
+
+
+def test_version(capsys):
+    from mlakit import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mlakit {__version__}"
+
+
+def test_broken_pipe_is_quiet():
+    script = "import sys; from mlakit.cli import main; sys.exit(main(['models']))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line, as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err and "Error" not in err
+
+
+TORCH_FREE = {
+    "help": ["--help"],
+    "version": ["--version"],
+    "models": ["models"],
+    "cache": ["cache"],
+    "crossover": ["crossover"],
+    "cost": ["cost", "--context", "4K", "--new", "16"],
+}
+
+
+@pytest.mark.parametrize("argv", list(TORCH_FREE.values()), ids=list(TORCH_FREE))
+def test_torch_free_commands_never_import_torch(argv):
+    script = (
+        "import sys, contextlib, io\n"
+        "from mlakit.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    rc = main({argv!r})\n"
+        "assert rc == 0, rc\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
