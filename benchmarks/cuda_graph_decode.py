@@ -73,6 +73,9 @@ def copy_plan(static, plan) -> None:
         src = getattr(plan, name)
         if src is not None:
             getattr(static, name).copy_(src)
+    # the full-width rope tables (rope_q is a view of rope_k's tensors; the permutations never change)
+    static.rope_k.cos.copy_(plan.rope_k.cos)
+    static.rope_k.sin.copy_(plan.rope_k.sin)
     for g_static, g in zip(static.groups, plan.groups, strict=True):
         for name in GROUP_FIELDS:
             src = getattr(g, name)

@@ -6,7 +6,11 @@
 2. DeepSeek-V3 widths in bf16, a 4-layer stack, batch 8, 4K cached: time per decode step, one plan
    for the stack vs per-layer one-layer calls (`--quick`: 2 layers, batch 2, 1K cached).
 
-    PYTHONPATH=. python benchmarks/plan_overhead.py [--quick] [--json out.json]
+    PYTHONPATH=. python benchmarks/plan_overhead.py [--quick] [--ops N] [--threads T] [--reps R]
+        [--json out.json]
+
+`--ops N` prints the N most frequent aten ops of each counted call; ms/call is the minimum over
+`--reps` timed runs (the least-disturbed one on a loaded machine; the median is in the JSON).
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ def fill(cache, layers, batch: int, context: int, dtype):
     cache.commit(plan)
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of `fn()` over `reps` runs (after 3 warm-ups)."""
+def timed(fn, reps: int, stat: str = "median") -> float:
+    """Median (or minimum) seconds of `fn()` over `reps` runs (after 3 warm-ups)."""
     for _ in range(3):
         fn()
     times = []
@@ -82,7 +86,8 @@ def timed(fn, reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    times.sort()
+    return times[0] if stat == "min" else times[len(times) // 2]
 
 
 def tiny_rows(kind: str, reps: int) -> list[dict]:
@@ -113,11 +118,13 @@ def measure(kind: str, name: str, fn, reps: int, extra_ops: int = 0, count: bool
         with counter:
             fn()
     ops = sum(counter.ops.values()) - extra_ops if count else None
+    times = [timed(fn, reps, "min"), timed(fn, reps)]
     return {
         "cache": kind,
         "call": name,
         "aten_ops": ops,
-        "ms": 1e3 * timed(fn, reps),
+        "ms": 1e3 * times[0],
+        "median_ms": 1e3 * times[1],
         "ops": dict(counter.ops),
     }
 
@@ -159,13 +166,21 @@ def main() -> None:
         "--quick", action="store_true", help="a smaller DeepSeek-V3 stack (2 layers, batch 2, 1K)"
     )
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--ops", type=int, default=0, help="print the N most frequent aten ops of each call")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a loaded machine)")
+    ap.add_argument("--reps", type=int, default=50, help="timed runs per tiny call (default 50)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    rows = tiny_rows("contiguous", 50) + tiny_rows("paged", 50)
-    print(f"{'cache':<11} {'call':<18} {'aten ops':>8} {'ms/call':>8}")
+    rows = tiny_rows("contiguous", args.reps) + tiny_rows("paged", args.reps)
+    print(f"{'cache':<11} {'call':<18} {'aten ops':>8} {'min ms':>8} {'med ms':>8}")
     for r in rows:
         ops = "-" if r["aten_ops"] is None else r["aten_ops"]
-        print(f"{r['cache']:<11} {r['call']:<18} {ops:>8} {r['ms']:>8.3f}")
+        print(f"{r['cache']:<11} {r['call']:<18} {ops:>8} {r['ms']:>8.3f} {r['median_ms']:>8.3f}")
+        if args.ops and r["aten_ops"] is not None:
+            top = Counter(r["ops"]).most_common(args.ops)
+            print("    " + ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in top))
     layers_n, batch, context = (2, 2, 1024) if args.quick else (4, 8, 4096)
     v3 = MLAConfig.preset("deepseek-v3")
     step = stack_step_times(v3, layers_n, batch, context, 2 if args.quick else 3)

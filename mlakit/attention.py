@@ -27,7 +27,7 @@ from mlakit.ops.sparse import (
     sparse_absorb_gathered,
     sparse_materialize,
 )
-from mlakit.rope import RotaryTable
+from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
 
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)  # promote, never demote
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -236,8 +236,8 @@ class MLAAttention(nn.Module):
         batch, new, _ = hidden_states.shape
         q_resid = None if self.indexer is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states, q_resid)
-        q_pe = self.rope.apply(q_pe, plan.cos[:, :, None], plan.sin[:, :, None])
-        k_pe = self.rope.apply(k_pe, plan.cos, plan.sin)
+        q_pe = apply_tables(q_pe, plan.rope_q)
+        k_pe = apply_tables(k_pe, plan.rope_k)
         k_idx = None if self.indexer is None else self.indexer.keys(hidden_states, plan.cos, plan.sin)
         if plan.cache is None:
             # padding stays out of the context (its latent may be anything, even NaN)

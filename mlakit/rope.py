@@ -9,6 +9,7 @@ transformers' DeepseekV3 cache does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -90,6 +91,55 @@ class RotaryTable:
         """Rotate x [..., dr] (cos/sin broadcastable to [..., dr/2]); output in half-split order."""
         return apply_rope(x, cos, sin, self.interleave)
 
+    def full_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> RopeTables:
+        """cos/sin [..., dr/2] (from `cos_sin`) → the full-width form `apply_tables` reads, built once
+        per step: the same rotation as `apply`, bit for bit, in 3–5 ops instead of 10."""
+        return rope_tables(cos, sin, self.interleave)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (bf16 rotates in fp32), never below the input's own precision (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(eq=False)
+class RopeTables:
+    """Rotation of x [..., dr] into half-split order as out = x[first]·cos + x[second]·sin (signed).
+
+    cos = [c | c], sin = [-s | s] ([..., dr], fp32); `first` / `second` [dr] long: the source dim of
+    each output dim in each product (`first` None: the identity, half-split layouts). Since
+    a + x·(-s) == a - x·s exactly, this equals `apply_rope` bit for bit.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    first: torch.Tensor | None
+    second: torch.Tensor
+
+    def unsqueeze_heads(self) -> RopeTables:
+        """The same tables broadcast over a head axis: [B, S, dr] → [B, S, 1, dr]."""
+        return RopeTables(self.cos[:, :, None], self.sin[:, :, None], self.first, self.second)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> RopeTables:
+    half = cos.shape[-1]
+    evens = torch.arange(0, 2 * half, 2, device=cos.device)
+    if interleave:
+        first = torch.cat([evens, evens + 1])  # [x0 x2 .. | x1 x3 ..]
+        second = torch.cat([evens + 1, evens])  # [x1 x3 .. | x0 x2 ..]
+    else:
+        first = None
+        second = torch.cat([evens // 2 + half, evens // 2])  # [x2 | x1]
+    return RopeTables(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1), first, second)
+
+
+def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
+    """`apply_rope` over tables from `rope_tables`: x [..., dr] → rotated, half-split order, x's dtype."""
+    xf = x.to(_work_dtype(x.dtype))
+    lead = xf if t.first is None else xf.index_select(-1, t.first)
+    out = lead * t.cos + xf.index_select(-1, t.second) * t.sin
+    return out.to(x.dtype)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -97,8 +147,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x[..., :half], x[..., half:]
-    # at least fp32 (bf16 rotates in fp32), never below the input's own precision (float64 stays float64)
-    work = torch.promote_types(x.dtype, torch.float32)
+    work = _work_dtype(x.dtype)
     x1f, x2f = x1.to(work), x2.to(work)
     out = torch.cat([x1f * cos - x2f * sin, x2f * cos + x1f * sin], dim=-1)
     return out.to(x.dtype)

@@ -158,3 +158,22 @@ def test_float64_rotation_keeps_float64_precision():
     z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angle), angle)
     assert out.dtype == torch.float64
     assert (out - torch.cat([z.real, z.imag], dim=-1)).abs().max() < 1e-14
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"]
+)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half-split"])
+def test_plan_tables_rotate_bit_for_bit_like_apply_rope(interleave, dtype):
+    # what a planned layer runs (full-width tables built once per step) equals apply_rope exactly
+    from mlakit.rope import apply_tables, rope_tables
+
+    x = randn(2, 3, 4, 8, seed=7, dtype=dtype)  # [B, S, H, dr]
+    angle = randn(2, 3, 4, seed=8)
+    cos, sin = angle.cos(), angle.sin()
+    tables = rope_tables(cos, sin, interleave)
+    heads = apply_tables(x, tables.unsqueeze_heads())
+    keys = apply_tables(x[:, :, 0], tables)
+    assert heads.dtype == dtype
+    assert torch.equal(heads, apply_rope(x, cos[:, :, None], sin[:, :, None], interleave))
+    assert torch.equal(keys, apply_rope(x[:, :, 0], cos, sin, interleave))

@@ -153,18 +153,22 @@ class LatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
-        rows = plan.write_rows.reshape(-1)
-        with torch.no_grad():
-            self._c_rows[layer].index_copy_(0, rows, c_kv.detach().reshape(rows.numel(), -1))
-            self._k_rows[layer].index_copy_(0, rows, k_pe.detach().reshape(rows.numel(), -1))
+        rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
+        with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
+            self._c_rows[layer].index_put_(rows, c_kv)
+            self._k_rows[layer].index_put_(rows, k_pe)
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
         consecutive, else a gather."""
-        c_all, k_all = self.layer_view(layer)
         if group.slot_start is not None:
-            s0, r = group.slot_start, group.kv_lens.shape[0]
-            return c_all[s0 : s0 + r, :key_len], k_all[s0 : s0 + r, :key_len]
+            # consecutive slots: their rows straight from the layer's buffer (4 view ops per tensor)
+            s0, r, t = group.slot_start, group.kv_lens.shape[0], self.max_seq_len
+            rows = slice(s0 * t, (s0 + r) * t)
+            c = self._c_rows[layer, rows].view(r, t, -1)
+            k = self._k_rows[layer, rows].view(r, t, -1)
+            return (c, k) if key_len == t else (c[:, :key_len], k[:, :key_len])
+        c_all, k_all = self.layer_view(layer)
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:

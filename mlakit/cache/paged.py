@@ -209,19 +209,19 @@ class PagedLatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new tokens at the plan's rows; quantizes the latent."""
-        target = plan.write_rows.reshape(-1)
         rows, lay = self._rows[layer], self.layout
-        latent = c_kv.detach().reshape(target.numel(), -1)
-        with torch.no_grad():
+        with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             if lay.quant is None:
-                field_view(rows, lay.latent).index_copy_(0, target, latent)
-            else:
-                values, scale = quantize(latent, lay.quant)
-                # fp8 has no index_copy kernel: its bytes are copied as bytes
-                field_view(rows, lay.latent).view(torch.uint8).index_copy_(
-                    0, target, values.view(torch.uint8)
-                )
-                field_view(rows, lay.scale).index_copy_(0, target, scale)
+                # [B, S] rows index the pool directly: no reshape of the rows or the values
+                field_view(rows, lay.latent).index_put_((plan.write_rows,), c_kv)
+                field_view(rows, lay.rope).index_put_((plan.write_rows,), k_pe)
+                return
+            target = plan.write_rows.reshape(-1)
+            latent = c_kv.detach().reshape(target.numel(), -1)
+            values, scale = quantize(latent, lay.quant)
+            # fp8 has no index_copy kernel: its bytes are copied as bytes
+            field_view(rows, lay.latent).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
+            field_view(rows, lay.scale).index_copy_(0, target, scale)
             field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:

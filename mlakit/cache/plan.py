@@ -70,6 +70,10 @@ class StepPlan:
     state: str = "open"  # "open" until committed or superseded by a newer plan
     # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
     backend: str | None = None
+    # cos/sin in the full-width form `mlakit.rope.apply_tables` reads: keys [B, S, dr], queries
+    # [B, S, 1, dr] (built once per step so that each layer rotates in a few ops)
+    rope_k: object = field(default=None, repr=False)
+    rope_q: object = field(default=None, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -167,6 +171,7 @@ def make_plan(
     ragged = bool((counts_t != seq_len).any())
     q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
     cos, sin = cache.rope.cos_sin(positions.to(device))
+    rope_k = cache.rope.full_tables(cos, sin)
     groups = build_groups(paths, kv_lens, slot_t, device, bucket, rows_of)
     key_len = max(g.key_len for g in groups)
     return StepPlan(
@@ -189,6 +194,8 @@ def make_plan(
         slots=slot_t,
         starts=starts,
         counts=counts_t,
+        rope_k=rope_k,
+        rope_q=rope_k.unsqueeze_heads(),
     )
 
 
@@ -203,6 +210,7 @@ def local_plan(
     ragged = bool((counts_t != seq_len).any())
     q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
     cos, sin = rope.cos_sin(positions.to(device))
+    rope_k = rope.full_tables(cos, sin)
     groups = build_groups(
         paths, counts_t, counts_t, device, lambda keys: seq_len, lambda rows, k: (None, 0, None)
     )
@@ -226,4 +234,6 @@ def local_plan(
         slots=torch.arange(batch),
         starts=torch.zeros(batch, dtype=torch.long),
         counts=counts_t,
+        rope_k=rope_k,
+        rope_q=rope_k.unsqueeze_heads(),
     )

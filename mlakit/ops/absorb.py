@@ -40,7 +40,8 @@ def absorb(
     batch, new, heads, _ = q_nope.shape
     static = max_keys is not None
     keys = max_keys if static else int(kv_lens.max())
-    c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
+    if c_kv.shape[1] != keys:  # a plan's context already has exactly `keys` keys: no slice op
+        c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_pe = q_pe.to(cd)
@@ -49,9 +50,8 @@ def absorb(
     for start in range(0, new, step):
         stop = min(new, start + step)
         mask = context_mask(kv_lens, new, start, stop, 0, keys, c_kv.device, key_mask, static)
-        o_lat, lse = latent_attention(
-            q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale, static=static
-        )
+        q_l, q_r = (q_lat, q_pe) if stop - start == new else (q_lat[:, start:stop], q_pe[:, start:stop])
+        o_lat, lse = latent_attention(q_l, q_r, c_kv, k_pe, mask, scale, static=static)
         outs.append(o_lat)
         lses.append(lse)
     o_lat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -97,25 +97,34 @@ def latent_attention(
         lse = torch.full((batch, new, heads), float("-inf"), dtype=acc, device=q_lat.device)
         return torch.zeros(batch, new, heads, latent, dtype=acc, device=q_lat.device), lse
     cd = compute_dtype(c_kv.dtype, c_kv.device)
-    q_l = q_lat.reshape(batch, new * heads, latent).to(cd) * scale
-    q_r = q_pe.reshape(batch, new * heads, -1).to(cd) * scale
+    q_l = q_lat.reshape(batch, new * heads, latent).to(cd)
+    q_r = q_pe.reshape(batch, new * heads, -1).to(cd)
     if mask is not None:
         mask = mask[:, :, None, :]  # [B, s, 1, T]: the same for every head
-    if torch.is_grad_enabled() and (q_l.requires_grad or c_kv.requires_grad):
+    grad = torch.is_grad_enabled() and (q_l.requires_grad or c_kv.requires_grad)
+    if not grad and c_kv.shape[1] <= KEY_BLOCK and cd == acc_dtype(cd):
+        # the scale rides on the score matmuls (alpha/beta) instead of two query multiplies
+        o_lat, lse = _single_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask, static, scale)
+        return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
+    q_l, q_r = q_l * scale, q_r * scale
+    if grad:
         o_lat, lse = _one_block(q_l, q_r, c_kv.to(cd), k_pe.to(cd), mask, static)
     else:
         o_lat, lse = _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static)
     return o_lat.view(batch, new, heads, latent), lse.view(batch, new, heads)
 
 
-def _scores(q_l, q_r, c, kp, mask):
-    """Scaled scores [B, s·H, T] in fp32 with hidden keys at -inf."""
-    scores = torch.baddbmm(torch.bmm(q_r, kp.transpose(1, 2)), q_l, c.transpose(1, 2))
+def _scores(q_l, q_r, c, kp, mask, scale: float = 1.0):
+    """Scores [B, s·H, T] (times `scale`) in fp32 with hidden keys at -inf."""
+    scores = torch.bmm(q_r, kp.transpose(1, 2)).baddbmm_(q_l, c.transpose(1, 2), beta=scale, alpha=scale)
     scores = scores.to(acc_dtype(scores.dtype))
     if mask is not None:
         batch, rows, keys = scores.shape
         shaped = scores.view(batch, mask.shape[1], rows // mask.shape[1], keys)
-        scores = shaped.masked_fill(mask, float("-inf")).view(batch, rows, keys)
+        if torch.is_grad_enabled() and scores.requires_grad:
+            scores = shaped.masked_fill(mask, float("-inf")).view(batch, rows, keys)
+        else:
+            shaped.masked_fill_(mask, float("-inf"))
     return scores
 
 
@@ -124,10 +133,10 @@ def _visible_values(c: torch.Tensor, mask: torch.Tensor | None, static: bool = F
     whatever a slot held past its length (a released request, a rejected draft) must not leak in."""
     if mask is None:
         return c
-    unseen = mask.all(dim=1).squeeze(1)  # [B, t]
+    unseen = mask.all(dim=1).transpose(1, 2)  # [B, t, 1]
     if not static and not bool(unseen.any()):
         return c
-    return c.masked_fill(unseen[..., None], 0)
+    return c.masked_fill(unseen, 0)
 
 
 def _one_block(q_l, q_r, c, kp, mask, static=False):
@@ -135,6 +144,17 @@ def _one_block(q_l, q_r, c, kp, mask, static=False):
     c = _visible_values(c, mask, static)
     probs, lse = softmax_lse(_scores(q_l, q_r, c, kp, mask))
     return torch.bmm(probs.to(c.dtype), c).to(probs.dtype), lse
+
+
+def _single_block(q_l, q_r, c, kp, mask, static=False, scale=1.0):
+    """No autograd, one key block, fp32/fp64 matmuls: the softmax in one pass, in place (the online
+    softmax's bookkeeping is ~20 ops a call, most of the decode cost at small widths)."""
+    c = _visible_values(c, mask, static)
+    scores = _scores(q_l, q_r, c, kp, mask, scale)  # [B, s·H, T]
+    lse = scores.logsumexp(dim=-1)  # -inf where every key is hidden
+    # such rows: exp(-inf - 0) = 0, zero probabilities as softmax_lse gives
+    probs = scores.sub_(lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]).exp_()
+    return torch.bmm(probs, c), lse
 
 
 def _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static=False):

@@ -73,6 +73,9 @@ def context_mask(
     if not static and key_mask is None and new == 1 and bool((kv_lens >= k_stop).all()):
         return None
     lens = kv_lens.to(device)
+    if new == 1 and key_mask is None:
+        # one query per row, at position kv_lens - 1: a key is hidden past it (5 ops, not 9)
+        return (torch.arange(k_start, k_stop, device=device) > (lens - 1)[:, None])[:, None, :]
     query_pos = lens[:, None] - new + torch.arange(q_start, q_stop, device=device)  # [B, q]
     keys = torch.arange(k_start, k_stop, device=device)
     hidden = keys[None, None, :] > query_pos[:, :, None]

@@ -63,9 +63,8 @@ def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=Fals
     for start in range(0, new, step):
         stop = min(new, start + step)
         mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, c_kv.device, None, static)
-        o, lse = latent_attention(
-            q_lat[:, start:stop], q_pe[:, start:stop], c_kv, k_pe, mask, scale, static=static
-        )
+        q_l, q_r = (q_lat, q_pe) if stop - start == new else (q_lat[:, start:stop], q_pe[:, start:stop])
+        o, lse = latent_attention(q_l, q_r, c_kv, k_pe, mask, scale, static=static)
         outs.append(o.float())
         lses.append(lse)
     if len(outs) == 1:
