@@ -64,6 +64,7 @@ class PatchedMLAAttention(nn.Module):
         self.config = original.config
         self.layer_idx = original.layer_idx
         self.scaling = original.scaling
+        self._derived = None  # the buffer up_weights converts bf16 weights into (CPU without native bf16)
         self.is_causal = True
         self.cfg = MLAConfig(
             hidden_size=original.hidden_size,
@@ -209,6 +210,7 @@ class PatchedMLAAttention(nn.Module):
 
     # W_UK and W_UV as mlakit's own layer derives them: views (or compute-dtype copies), never stale
     up_weights = MLAAttention.up_weights
+    _converted = MLAAttention._converted
 
     def _check_call(self, position_embeddings, kwargs) -> None:
         impl = self.config._attn_implementation
