@@ -255,3 +255,18 @@ def test_paged_plan_block_table_is_fixed_within_a_bucket_and_locates_every_row()
             assert torch.equal(rows[-3:], plan.write_rows[b])
         cache.commit(plan)
     assert widths == [(2, 4)] * 5 + [(2, 8)]  # 16 keys (4 pages of 4) until the context passes 16
+
+
+@pytest.mark.parametrize("multiple", [1, 64], ids=["contiguous", "page64"])
+def test_key_buckets_pad_at_most_an_eighth_past_1024_keys(multiple):
+    from mlakit.cache.plan import FINE_BUCKETS_FROM, key_bucket
+
+    sizes = set()
+    for keys in [*range(1, 3000), *range(3000, 200_000, 997)]:
+        size = key_bucket(keys, multiple)
+        assert size >= keys and size % multiple == 0
+        if keys > FINE_BUCKETS_FROM:
+            assert size <= keys * 1.125 + multiple, (keys, size)
+        sizes.add(size)
+    # few shapes: a compiled or captured step sees a new one only every eighth of an octave
+    assert len(sizes) < 120

@@ -16,14 +16,20 @@ from mlakit.dispatch import choose, sparse_path
 
 # the smallest key bucket: short contexts share one shape
 MIN_BUCKET = 16
+FINE_BUCKETS_FROM = 1024
 
 
 def key_bucket(keys: int, multiple: int = 1, cap: int | None = None) -> int:
-    """A fixed padded key length for `keys` keys: the next power of two (at least MIN_BUCKET), rounded
-    up to a multiple of `multiple` (a page), at most `cap` (a contiguous cache's max_seq_len)."""
+    """A fixed padded key length for `keys` keys: the next power of two (at least MIN_BUCKET) up to
+    FINE_BUCKETS_FROM, then the next of eight steps per octave (the torch path does the work of the
+    masked keys too: powers of two would double it just past each one; this pads at most 12.5%),
+    rounded up to a multiple of `multiple` (a page), at most `cap` (a contiguous cache's max_seq_len)."""
     size = MIN_BUCKET
-    while size < keys:
+    while size < min(keys, FINE_BUCKETS_FROM):
         size *= 2
+    if keys > FINE_BUCKETS_FROM:
+        step = 1 << ((keys - 1).bit_length() - 4)
+        size = -(-keys // step) * step
     size = -(-size // multiple) * multiple
     return max(keys, min(size, cap)) if cap is not None else size
 
