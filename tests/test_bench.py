@@ -177,7 +177,7 @@ def test_every_backend_agrees_with_its_oracle(cfg, dtype):
     ctx = BenchContext(cfg, dtype, "cpu")
     oracles = {}
     for backend in BACKENDS.values():
-        if backend.oracle is None or not backend.available():
+        if backend.oracle is None or not backend.available() or backend.sparse_only:
             continue
         verdict = check(backend, ctx, gate_cells(2, 100), oracles)
         assert verdict.ok, f"{backend.name}: {verdict.error}"
@@ -506,3 +506,89 @@ def test_calibrate_counts_end_at_max_new(step, max_new, want):
     from mlakit.bench.calibrator import _counts
 
     assert _counts(step, max_new) == want
+
+
+# ---- the DSA layer's rows (mlakit-sparse): index_topk 8, so that sparsity bites within 40 tokens
+
+TINY_DSA = TINY.replace(
+    index_n_heads=8, index_head_dim=16, index_topk=8, indexer_rope_interleave=False, name="tiny-dsa"
+)
+SPARSE_CELLS = [Cell(1, 5, 1), Cell(2, 8, 1), Cell(2, 9, 1), Cell(2, 40, 1), Cell(2, 40, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_backend_agrees_with_its_fp64_oracle(dtype):
+    ctx = BenchContext(TINY_DSA, dtype, "cpu")
+    verdict = check(BACKENDS["mlakit-sparse"], ctx, SPARSE_CELLS, {})
+    assert verdict.ok, verdict.error
+    with torch.inference_mode():
+        step = BACKENDS["mlakit-sparse"].prepare(ctx, Cell(1, 40, 1), ctx.inputs(Cell(1, 40, 1)))
+        step.reset()
+        step.run()
+    assert step.describe() == {"path": "sparse-absorb"}
+
+
+def test_sparse_gate_can_fail():
+    # past index_topk the DSA layer is not dense MLA: against the dense oracle the gate must reject it
+    ctx = BenchContext(TINY_DSA, torch.float32, "cpu")
+    as_dense = Backend("sparse-vs-dense", BACKENDS["mlakit-sparse"].prepare, MLA_ORACLE, None)
+    verdict = check(as_dense, ctx, [Cell(2, 40, 1)], {})
+    assert not verdict.ok and verdict.rel_err > verdict.tol
+
+
+@pytest.mark.parametrize(
+    "names, sparse, want",
+    [(None, False, False), (None, True, True), (("mlakit-sparse",), True, True)],
+    ids=["dense-default", "sparse-default", "sparse-named"],
+)
+def test_sparse_backend_only_for_dsa_models(names, sparse, want):
+    from mlakit.bench.backends import resolve_backends
+
+    assert ("mlakit-sparse" in [b.name for b in resolve_backends(names, sparse=sparse)]) == want
+
+
+def test_sparse_backend_refused_for_a_dense_model():
+    from mlakit.bench.backends import resolve_backends
+
+    with pytest.raises(ValueError, match="mlakit-sparse"):
+        resolve_backends(["mlakit-absorb", "mlakit-sparse"], sparse=False)
+
+
+def test_dense_run_has_no_sparse_rows(tiny_run):
+    from mlakit.bench.report import render
+
+    assert "sparse" not in tiny_run["summary"]
+    assert not any(r["backend"] == "mlakit-sparse" for r in tiny_run["rows"])
+    assert "sparse decode" not in render(tiny_run)
+
+
+def test_sparse_rows_in_a_dsa_run(tmp_path):
+    from mlakit.bench.report import render
+    from mlakit.cost import sparse_path_macs
+
+    doc = _run(
+        tmp_path,
+        model=TINY_DSA,
+        grid=Grid(batch=(1,), context=(4, 40), new=(1,)),
+        backends=("mlakit-absorb", "mlakit-sparse", "mlakit-projections"),
+        plots=False,
+        explorer=False,
+    )
+    validate_results(doc)
+    assert all(v["ok"] for v in doc["gate"])
+    assert _row(doc, "mlakit-sparse", 1, 4, 1)["path"] == "absorb"  # every query sees <= k: dense
+    row = _row(doc, "mlakit-sparse", 1, 40, 1)
+    assert row["path"] == "sparse-absorb"
+    # the projections (as dense MLA's) plus the sparse path and its indexer, from the sparse cost model
+    per_token = 64 * 32 + 32 * 8 * 24 + 64 * 40 + 8 * 16 * 64
+    core = sparse_path_macs(TINY_DSA, "sparse-absorb", 1, 40, "causal")  # the decode query sees itself
+    assert_close("sparse FLOPs", row["flops"], 2 * (per_token + core))
+    assert row["roofline_ms"] > 0
+    sparse = {r["context"]: r for r in doc["summary"]["sparse"]}
+    assert set(sparse) == {4, 40} and sparse[40]["index_topk"] == 8
+    want = _row(doc, "mlakit-absorb", 1, 40, 1)["ms_median"] / row["ms_median"]
+    assert_close("sparse vs absorb", sparse[40]["speedup_vs_absorb"], want)
+    text = render(doc)
+    assert "sparse decode (DSA, index_topk 8)" in text
+    line = next(ln for ln in text.splitlines() if "sparse-absorb" in ln)
+    assert f"{row['ms_median']:.1f}" in line and f"x{want:.2f}" in line

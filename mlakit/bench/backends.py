@@ -7,6 +7,7 @@ Each backend names its oracle, prepared by the same signature, that the gate che
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Backend:
     available: Callable[[], bool] = field(default=lambda: True)
     kv_heads: Callable[[BenchContext], int] | None = None  # KV layers: key/value heads
     note: str = ""
+    sparse_only: bool = False  # runs only for a DSA model (MLAConfig.is_sparse)
 
 
 def _latent_cache(ctx: BenchContext, cell: Cell, x: CellInputs) -> LatentCache:
@@ -49,6 +51,45 @@ def _latent_cache(ctx: BenchContext, cell: Cell, x: CellInputs) -> LatentCache:
     if cell.cached:
         cache.append(x.c_kv, x.k_pe)
     return cache
+
+
+def _sparse_cache(ctx: BenchContext, cell: Cell, x: CellInputs) -> LatentCache:
+    """A DSA LatentCache (in x's dtype) holding the cell's cached latents and random indexer keys fixed
+    by the cell (drawn in the run's dtype: the fp64 oracle sees the very same values)."""
+    cfg, dtype = ctx.sparse_cfg, x.c_kv.dtype
+    cache = LatentCache(cfg, cell.batch, cell.cached + cell.new, dtype=dtype, device=ctx.device)
+    if cell.cached:
+        gen = ctx.generator(cell, salt=2)
+        k_idx = ctx.randn(cell.batch, cell.cached, cfg.index_head_dim, gen=gen).to(dtype)
+        plan = cache.plan(cell.cached, batch=cell.batch, mode="absorb")
+        cache.write(plan, 0, x.c_kv, x.k_pe)
+        cache.write_index(plan, 0, k_idx)
+        cache.commit(plan)
+    return cache
+
+
+def sparse_step(mode: str, dtype: torch.dtype | None = None) -> Prepare:
+    """mlakit's DSA layer (indexer included) in `mode` over a DSA LatentCache. With `dtype` (the
+    oracle: fp64), a copy of the layer, its cache and inputs in that dtype; the output is cast back."""
+
+    def prepare(ctx: BenchContext, cell: Cell, x: CellInputs) -> Step:
+        layer = ctx.sparse_layer()
+        if dtype is not None:
+            layer = copy.deepcopy(layer).to(dtype)
+            layer.indexer.weights_proj.float()  # the indexer's head weights are fp32 by design
+            x = CellInputs(*(t.to(dtype) for t in (x.hidden, x.c_kv, x.k_pe)))
+        cache = _sparse_cache(ctx, cell, x)
+
+        def run() -> torch.Tensor:
+            return layer(x.hidden, cache, mode=mode).to(ctx.dtype)
+
+        return Step(
+            run=run,
+            reset=lambda: cache.lengths.fill_(cell.cached),
+            describe=lambda: {"path": layer.last_mode} if mode == "auto" else {},
+        )
+
+    return prepare
 
 
 def mlakit_step(mode: str, op=None) -> Prepare:
@@ -167,6 +208,15 @@ BACKENDS: dict[str, Backend] = {
         _kv_backend("gqa8", _gqa_heads, "GQA with 8 key/value heads"),
         _kv_backend("mqa", lambda ctx: 1, "MQA: one key/value head"),
         Backend(
+            "mlakit-sparse",
+            sparse_step("auto"),
+            sparse_step("materialize", dtype=torch.float64),
+            "sparse-absorb",
+            decode_only=True,
+            note="mlakit's DSA layer (indexer + top-k, auto: sparse-absorb past index_topk)",
+            sparse_only=True,
+        ),
+        Backend(
             "mlakit-projections",
             projections_step,
             None,
@@ -180,11 +230,15 @@ DEFAULT_BACKENDS = tuple(BACKENDS)
 PATHS = {"absorb": "mlakit-absorb", "materialize": "mlakit-materialize"}
 
 
-def resolve_backends(names: list[str] | tuple[str, ...] | None) -> list[Backend]:
-    """The named backends (all when None) that can run here; ValueError on an unknown name."""
+def resolve_backends(names: list[str] | tuple[str, ...] | None, sparse: bool = False) -> list[Backend]:
+    """The named backends (all when None) that can run here; ValueError on an unknown name. The
+    sparse-only ones (mlakit-sparse) come with a DSA model (`sparse`) alone."""
     if names is None:
-        return [b for b in BACKENDS.values() if b.available()]
+        return [b for b in BACKENDS.values() if b.available() and (sparse or not b.sparse_only)]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; expected some of {sorted(BACKENDS)}")
+    dense_only = [n for n in names if BACKENDS[n].sparse_only and not sparse]
+    if dense_only:
+        raise ValueError(f"backends {dense_only} need a DSA model (index_topk set), got a dense one")
     return [BACKENDS[n] for n in names]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlakit.attention import MLAAttention
 from mlakit.bench.grid import Cell
 from mlakit.bench.kv import KVWeights
 from mlakit.bench.layers import BenchLayer
@@ -35,14 +36,18 @@ class BenchContext:
     device: torch.device
     seed: int = 0
     layer: BenchLayer = field(init=False)
+    sparse_cfg: MLAConfig | None = field(default=None, init=False)  # the DSA config, for mlakit-sparse
     _hf: object = field(default=None, init=False, repr=False)
+    _sparse: MLAAttention | None = field(default=None, init=False, repr=False)
     _kv: KVWeights | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         dtype_name(self.dtype)
         torch.manual_seed(self.seed)
-        # dense MLA at the model's widths: a DSA preset's sparse rows are not part of this sweep yet
+        # dense MLA at the model's widths (what transformers' baseline loads); a DSA model's own layer,
+        # indexer included, is `sparse_layer()` (the mlakit-sparse backend)
+        self.sparse_cfg = self.cfg if self.cfg.is_sparse else None
         self.cfg = self.cfg.dense()
         self.layer = BenchLayer(self.cfg, dtype=self.dtype, device=self.device).eval()
 
@@ -57,6 +62,21 @@ class BenchContext:
 
             self._hf = HFLayer(self.layer)
         return self._hf
+
+    def sparse_layer(self) -> MLAAttention:
+        """The DSA layer on the dense layer's weights plus its own indexer, built on first use."""
+        if self.sparse_cfg is None:
+            raise ValueError(f"model {self.cfg.name!r} has no indexer: mlakit-sparse needs a DSA model")
+        if self._sparse is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + 1)
+                layer = MLAAttention(self.sparse_cfg, dtype=self.dtype, device=self.device).eval()
+            missing, unexpected = layer.load_state_dict(self.layer.state_dict(), strict=False)
+            if unexpected or any(not k.startswith("indexer.") for k in missing):
+                raise ValueError(f"sparse layer weights differ from the dense: {missing}, {unexpected}")
+            layer.profile = self.layer.profile
+            self._sparse = layer
+        return self._sparse
 
     def kv_weights(self) -> KVWeights:
         if self._kv is None:

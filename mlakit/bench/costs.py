@@ -21,6 +21,7 @@ from mlakit.cost import (
 )
 from mlakit.cost.cache_size import VALUE_BYTES
 from mlakit.cost.roofline import FLOPS_PER_MAC
+from mlakit.cost.sparse import SPARSE_MODES, indexer_bytes, sparse_absorb_bytes, sparse_path_terms
 
 COUNT = "causal"
 
@@ -30,10 +31,27 @@ def _batched(per_seq: dict, weights: dict, batch: int) -> dict:
 
 
 def core_terms(cfg: MLAConfig, path: str, batch: int, new: int, cached: int, dtype: str):
-    """(multiply-adds, bytes) per term of one path's attention core for the batch."""
+    """(multiply-adds, bytes) per term of one path's attention core for the batch (a sparse path:
+    its attention over the selection plus the indexer's terms, `cfg` the DSA config)."""
+    if path in SPARSE_MODES:
+        return _sparse_core_terms(cfg, path, batch, new, cached, dtype)
     macs = {k: batch * v for k, v in path_terms(cfg, path, new, cached, COUNT).items()}
     nbytes = path_bytes(cfg, path, new, cached, COUNT, dtype)
     return macs, _batched(nbytes, path_bytes(cfg, path, 0, 0, COUNT, dtype), batch)
+
+
+def _sparse_bytes(cfg: MLAConfig, path: str, new: int, cached: int, dtype: str) -> dict:
+    if path == "sparse-absorb":
+        attn = sparse_absorb_bytes(cfg, new, cached, COUNT, dtype)
+    else:  # the dense masked form reads what dense materialize reads
+        attn = path_bytes(cfg.dense(), "materialize", new, cached, COUNT, dtype)
+    return {**attn, **indexer_bytes(cfg, new, cached, COUNT, dtype)}
+
+
+def _sparse_core_terms(cfg: MLAConfig, path: str, batch: int, new: int, cached: int, dtype: str):
+    macs = {k: batch * v for k, v in sparse_path_terms(cfg, path, new, cached, COUNT).items()}
+    nbytes = _sparse_bytes(cfg, path, new, cached, dtype)
+    return macs, _batched(nbytes, _sparse_bytes(cfg, path, 0, 0, dtype), batch)
 
 
 def projection_terms(cfg: MLAConfig, batch: int, new: int, dtype: str):

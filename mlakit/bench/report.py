@@ -164,6 +164,28 @@ def _same_path_lines(checks: list[dict]) -> list[str]:
     return lines
 
 
+def sparse_lines(doc: dict) -> list[str]:
+    """The DSA layer's decode rows (mlakit-sparse), when the run has them."""
+    rows = doc["summary"].get("sparse") or []
+    if not rows:
+        return []
+    topk = rows[0].get("index_topk")
+    lines = [f"sparse decode (DSA, index_topk {topk}): mlakit-sparse step vs dense mlakit-absorb"]
+    lines.append(
+        f"  {'batch':>5} {'cached':>7} {'sparse ms':>10} {'path':>18} {'absorb ms':>10} {'vs absorb':>10}"
+        f" {'predicted ms':>13}"
+    )
+    for r in rows:
+        sp = f"{r['sparse_ms']:.1f}" + ("~" if r["noisy"] else "")
+        path = r["path"] or "—"
+        ab = "—" if r["absorb_ms"] is None else f"{r['absorb_ms']:.1f}"
+        vs = "—" if r["speedup_vs_absorb"] is None else f"x{r['speedup_vs_absorb']:.2f}"
+        pred = "—" if r.get("roofline_ms") is None else f"{r['roofline_ms']:.2f}"
+        lines.append(f"  {r['batch']:>5} {r['context']:>7} {sp:>10} {path:>18} {ab:>10} {vs:>10} {pred:>13}")
+    lines.append("  (vs absorb > 1: the sparse step is faster; sparsity bites past index_topk cached tokens)")
+    return lines
+
+
 def _versus(ratio: float, name: str) -> str:
     """Absorb against NAME: "x2.00 faster than NAME", or below 1 "x1.25 slower than NAME"."""
     if ratio >= 1:
@@ -187,5 +209,5 @@ def _auto_line(a: dict) -> str:
 
 
 def render(doc: dict) -> str:
-    parts = [header(doc), path_table(doc), decode_table(doc), summary_lines(doc)]
+    parts = [header(doc), path_table(doc), decode_table(doc), sparse_lines(doc), summary_lines(doc)]
     return "\n".join("\n".join(p) for p in parts if p)

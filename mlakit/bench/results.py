@@ -20,6 +20,7 @@ from mlakit.bench.backends import BACKENDS
 from mlakit.bench.context import BenchContext
 from mlakit.cost import MachineProfile
 from mlakit.cost.measured import SCHEMA
+from mlakit.cost.sparse import SPARSE_MODES
 
 PROJECTIONS = "mlakit-projections"
 CSV_COLUMNS = (
@@ -61,12 +62,13 @@ def enrich(rows: list[dict], ctx: BenchContext, machine: MachineProfile | None) 
         kv_heads = spec.kv_heads(ctx) if spec and spec.kv_heads else None
         if kv_heads is not None:
             row["kv_heads"] = kv_heads
-        terms = costs.row_terms(ctx.cfg, row, dtype, path, kv_heads)
+        cfg = ctx.sparse_cfg if path in SPARSE_MODES else ctx.cfg  # a DSA row: the indexer's terms too
+        terms = costs.row_terms(cfg, row, dtype, path, kv_heads)
         row.update(costs.rates(row["ms_median"], *terms, machine, dtype))
         base = proj.get(_cell(row))
         if path is not None and base is not None and row["ms_median"] > base:
             row["core_ms"] = row["ms_median"] - base
-            macs, nbytes = costs.core_terms(ctx.cfg, path, row["batch"], row["new"], row["cached"], dtype)
+            macs, nbytes = costs.core_terms(cfg, path, row["batch"], row["new"], row["cached"], dtype)
             row.update(costs.rates(row["core_ms"], macs, nbytes, machine, dtype, prefix="core_"))
         pcts = [row.get(k) for k in ("pct_peak_flops", "pct_peak_bandwidth", "core_pct_peak_flops")]
         if machine is not None:

@@ -128,7 +128,7 @@ def _run(opts: BenchOptions, state: MachineState | None = None) -> dict:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     cfg = MLAConfig.resolve(opts.model)
-    backends = resolve_backends(opts.backends)
+    backends = resolve_backends(opts.backends, sparse=cfg.is_sparse)
     machine = effective_machine(resolve_machine(opts.machine, device), device)
     ctx = BenchContext(cfg, DTYPES[dtype], device, seed=opts.seed)
     ctx.layer.profile = resolve_profile(opts.profile, cfg, dtype, device)

@@ -8,6 +8,7 @@ from mlakit.cost import DEFAULT_COUNTING, MachineProfile, crossover, measured_cr
 
 ABSORB, MATERIALIZE, AUTO = "mlakit-absorb", "mlakit-materialize", "mlakit-auto"
 PROJECTIONS = "mlakit-projections"
+SPARSE = "mlakit-sparse"
 SELF = (ABSORB, PROJECTIONS)  # not compared with absorb: absorb itself, and a part of its step
 PATH_BACKEND = {"absorb": ABSORB, "materialize": MATERIALIZE}
 REGRET_LIMIT = 0.05  # auto counts as right within 5% of the faster path
@@ -140,11 +141,41 @@ def same_path(rows: list[dict]) -> list[dict]:
     return out
 
 
+def sparse(rows: list[dict], new: int, index_topk: int | None = None) -> list[dict]:
+    """Per (batch, cached) at the decode count: the DSA layer's step (mlakit-sparse), the path it ran,
+    and dense absorb's time over it (> 1: sparse is faster)."""
+    at = index(rows)
+    out = []
+    for (name, batch, cached, n), row in sorted(at.items(), key=lambda kv: kv[0][1:]):
+        if name != SPARSE or n != new:
+            continue
+        dense = at.get((ABSORB, batch, cached, n))
+        out.append(
+            {
+                "batch": batch,
+                "context": cached,
+                "new": n,
+                "index_topk": index_topk,
+                "sparse_ms": row["ms_median"],
+                "path": row.get("path"),
+                "absorb_ms": None if dense is None else dense["ms_median"],
+                "speedup_vs_absorb": None if dense is None else dense["ms_median"] / row["ms_median"],
+                "roofline_ms": row.get("roofline_ms"),
+                "noisy": bool(row.get("noisy")),
+            }
+        )
+    return out
+
+
 def summarize(cfg, rows, dtype: str, machine, decode_new: int, auto_source: str) -> dict:
-    return {
+    out = {
         "crossover": crossovers(cfg, rows, dtype, machine),
         "decode": decode(rows, decode_new),
         "auto": auto_regret(rows, auto_source),
         "same_path": same_path(rows),
         "noisy_cells": sum(1 for r in rows if r.get("noisy")),
     }
+    rows_sparse = sparse(rows, decode_new, cfg.index_topk)
+    if rows_sparse:  # a DSA model only: a dense model's summary keeps its keys
+        out["sparse"] = rows_sparse
+    return out

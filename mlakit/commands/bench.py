@@ -90,7 +90,9 @@ def check(opts) -> None:
     from mlakit.bench.run import check_device, default_device, default_dtype
 
     device = check_device(opts.device or default_device())
-    resolve_backends(opts.backends)
+    from mlakit.config import MLAConfig
+
+    resolve_backends(opts.backends, sparse=MLAConfig.resolve(opts.model).is_sparse)
     check_out_dir(opts.out_dir)
     need, cell = grid_bytes(opts.model, opts.grid, opts.dtype or default_dtype(device))
     where = f"batch {cell.batch}, {cell.cached:,} cached, {cell.new:,} new"
