@@ -163,3 +163,26 @@ def naive_mla(layer: MLAAttention, hidden: torch.Tensor) -> torch.Tensor:
     scores = scores.masked_fill(~causal, float("-inf"))
     o = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v).reshape(b, n, h * dv)
     return lin("o_proj", o)
+
+
+# a tiny transformers MLA config (DeepSeek-V3's field names), shared by the transformers tests
+HF_PAD = 3
+HF_TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    pad_token_id=HF_PAD,
+    bos_token_id=1,
+    eos_token_id=None,
+    initializer_range=0.2,
+    max_position_embeddings=256,
+)
+HF_MOE = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)

@@ -7,30 +7,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import HF_MOE, HF_TINY  # noqa: E402
+
 import mlakit.hf as mhf  # noqa: E402
 from mlakit.hf.attention import PatchedMLAAttention, key_padding  # noqa: E402
 
 PAD = 3
 NEW_TOKENS = 24
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=12,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=None,
-    initializer_range=0.2,
-    max_position_embeddings=256,
-)
-MOE = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+TINY = HF_TINY
+MOE = HF_MOE
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,

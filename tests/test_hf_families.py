@@ -19,6 +19,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import HF_MOE, HF_TINY  # noqa: E402
+
 import mlakit.hf as mhf  # noqa: E402
 from mlakit.attention import MLAAttention  # noqa: E402
 from mlakit.config import MLAConfig  # noqa: E402
@@ -26,25 +28,8 @@ from mlakit.hf.attention import PatchedMLAAttention  # noqa: E402
 from mlakit.hf.families import DSA_REASON, FAMILIES  # noqa: E402
 
 PAD, VOCAB, NEW_TOKENS = 3, 97, 24
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=12,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=None,
-    initializer_range=0.2,
-    max_position_embeddings=256,
-)
-MOE = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+BASE = dict(HF_TINY, vocab_size=VOCAB)
+MOE = HF_MOE
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])
 MISTRAL4_YARN = {
     "rope_type": "yarn",
