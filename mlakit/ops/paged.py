@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
-from mlakit.ops.common import compute_dtype, context_mask, query_chunk
+from mlakit.ops.common import acc_dtype, compute_dtype, context_mask, query_chunk
 from mlakit.ops.merge import merge
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -65,7 +65,7 @@ def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=Fals
         mask = context_mask(kv_lens, new, start, stop, key_start, key_start + keys, c_kv.device, None, static)
         q_l, q_r = (q_lat, q_pe) if stop - start == new else (q_lat[:, start:stop], q_pe[:, start:stop])
         o, lse = latent_attention(q_l, q_r, c_kv, k_pe, mask, scale, static=static)
-        outs.append(o.float())
+        outs.append(o.to(acc_dtype(o.dtype)))  # fp32, or fp64 for fp64 (never demoted)
         lses.append(lse)
     if len(outs) == 1:
         return outs[0], lses[0]
