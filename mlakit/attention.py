@@ -30,6 +30,16 @@ from mlakit.ops.sparse import (
 from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
+# the projections the short decode form multiplies by directly (see MLAAttention._lean_weights)
+_LEAN_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj")
+_LEAN_PROJECTIONS_Q_LORA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj")
+_LEAN_SHORT = {
+    "kv_a_proj_with_mqa": "kv_a",
+    "o_proj": "o",
+    "q_proj": "q",
+    "q_a_proj": "q_a",
+    "q_b_proj": "q_b",
+}
 
 
 class RMSNorm(nn.Module):
@@ -111,11 +121,18 @@ class MLAAttention(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.kv_b_proj.weight.dtype
+        return self._kv_b_weight().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.kv_b_proj.weight.device
+        return self._kv_b_weight().device
+
+    def _kv_b_weight(self) -> torch.Tensor:
+        # straight from the module dicts: nn.Module.__getattr__ costs ~1 us a lookup, and a decode call
+        # asks for dtype and device several times
+        m = self._modules["kv_b_proj"]
+        w = m._parameters.get("weight") if type(m) is Linear else None
+        return m.weight if w is None else w
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H,dn,L], w_uv [H,dv,L]) of kv_b_proj in the dtype matmuls run in.
@@ -233,6 +250,11 @@ class MLAAttention(nn.Module):
 
     def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int | None) -> torch.Tensor:
         """Projections, rope, cache write, the plan's paths, o_proj; nothing read back to the host."""
+        if plan.lean is not None and self._lean_allowed(plan):
+            return self._compute_lean(hidden_states, plan, layer)
+        return self._compute_general(hidden_states, plan, layer)
+
+    def _compute_general(self, hidden_states: torch.Tensor, plan: StepPlan, layer) -> torch.Tensor:
         batch, new, _ = hidden_states.shape
         q_resid = None if self.indexer is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states, q_resid)
@@ -260,6 +282,114 @@ class MLAAttention(nn.Module):
         if plan.ragged:
             out = out.where(plan.valid[..., None], 0)
         return out
+
+    def _lean_allowed(self, plan: StepPlan) -> bool:
+        """The short decode form runs eagerly, without autograd, in the storage dtype, over the torch
+        absorb path (a paged cache on CUDA takes the fused kernel; torch.compile traces the general
+        path, whose views and masks it fuses anyway)."""
+        # (the plan has checked the rest: the cache's compute dtype is its storage dtype, which
+        # `run` checked is the layer's, and DSA steps get no lean form)
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return False
+        return not isinstance(plan.cache, PagedLatentCache) or (
+            _absorb_backend(self.absorb_backend, plan.cache.device) == "torch"
+        )
+
+    def _compute_lean(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int) -> torch.Tensor:
+        """One new token per row, absorb over one key block: the general path's arithmetic in ~26 aten
+        ops (at the tiny shape of benchmarks/plan_overhead.py, against 80).
+
+        What makes it short: 2-D activations through the projections; weight views (transposes, the
+        per-head split of kv_b_proj) made once (`_lean_weights`); rope as one bmm with the plan's
+        per-row rotation; the plan's additive mask as the input of the first score matmul; the
+        context as views the cache keeps (rows past a slot's length are zero there, so a masked
+        key's value is 0 · 0); queries and values written by `out=` into workspaces laid out so that
+        no transpose or copy is needed before the next matmul. The results equal the general path's
+        to fp32 round-off (tests/test_plan.py runs both)."""
+        cfg, lean, cache = self.cfg, plan.lean, plan.cache
+        w = self._lean_weights()
+        if w is None:  # a projection is wrapped, hooked or replaced: run it through its module
+            return self._compute_general(hidden_states, plan, layer)
+        batch, heads, latent = plan.batch, cfg.num_heads, cfg.kv_lora_rank
+        x = hidden_states.reshape(batch, -1)  # [B, D]: one new token per row (a view when it can be)
+        if cfg.q_lora_rank is None:
+            q = _mm(x, w["q"], None)
+        else:
+            q = _mm(self.q_a_layernorm(_mm(x, w["q_a"], self.q_a_proj.bias)), w["q_b"], None)
+        kv = _mm(x, w["kv_a"], self.kv_a_proj_with_mqa.bias).view(batch, 1, -1)
+        c_kv, k_pe = kv.split([latent, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [B, 1, L]
+        k_pe = _rotate(k_pe, lean.rotation)  # [B, 1, dr]
+        cache.write(plan, layer, c_kv, k_pe)
+        q_nope, q_pe = q.view(batch, heads, -1).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = _rotate(q_pe, lean.rotation)  # [B, H, dr]
+        ws = self._lean_workspace(batch)
+        torch.bmm(q_nope.transpose(0, 1), w["uk"], out=ws["q_lat_hb"])  # q_lat [B, H, L]
+        c, c_t, k_t = cache.lean_context(layer, plan)
+        scores = torch.baddbmm(lean.bias, q_pe, k_t, alpha=self.scale)  # [B, H, T], -inf past kv_lens
+        scores.baddbmm_(ws["q_lat"], c_t, alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1)
+        torch.bmm(probs, c, out=ws["o_lat_bh"])  # o_lat [H, B, L]
+        torch.bmm(ws["o_lat"], w["uv_t"], out=ws["out_hb"])  # out [B, H, dv]
+        out = _mm(ws["out_flat"], w["o"], self.o_proj.bias)
+        if isinstance(cache, PagedLatentCache):
+            self.last_backend = "torch"
+            plan.backend = "torch" if plan.backend in (None, "torch") else "mixed"
+        return out.view(batch, 1, -1)
+
+    def _lean_weights(self) -> dict[str, torch.Tensor] | None:
+        """Views of the weights the short decode form multiplies by (transposed, split per head), made
+        once and kept while every weight is the same tensor: `.data` writes, `load_state_dict` into new
+        storage or `.to()` give new data pointers, and the views are made again. None when a projection
+        is not a plain mlakit Linear (replaced, wrapped, hooked): its module must run."""
+        names = _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
+        modules = self._modules
+        key = [torch.is_inference_mode_enabled()]
+        for name in names:
+            m = modules[name]
+            w = m._parameters["weight"]
+            if type(m) is not Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+                return None
+            key += (id(w), w.data_ptr())
+        mod = nn.modules.module
+        if mod._global_forward_hooks or mod._global_forward_pre_hooks:
+            return None
+        kept = self.__dict__.get("_lean_views")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        cfg = self.cfg
+        per_head = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+        w_uk, w_uv = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+        views = {"uk": w_uk, "uv_t": w_uv.transpose(1, 2)}
+        for name in names:
+            if name != "kv_b_proj":
+                views[_LEAN_SHORT[name]] = modules[name].weight.t()
+        self._lean_views = (key, views)
+        return views
+
+    def _lean_workspace(self, batch: int) -> dict[str, torch.Tensor]:
+        """Buffers the short decode form writes by `out=` and their views, reused between calls (never
+        returned): q_lat [B, H, L] (filled head-major through "q_lat_hb"), o_lat [H, B, L] (filled
+        row-major through "o_lat_bh"), out [B, H, dv] (through "out_hb", read as "out_flat" [B, H·dv])."""
+        cfg = self.cfg
+        key = (batch, self.dtype, self.device, torch.is_inference_mode_enabled())
+        kept = self.__dict__.get("_lean_ws")
+        if kept is None or kept[0] != key:
+            f = {"dtype": self.dtype, "device": self.device}
+            h, latent = cfg.num_heads, cfg.kv_lora_rank
+            q_lat = torch.empty(batch, h, latent, **f)
+            o_lat = torch.empty(h, batch, latent, **f)
+            out = torch.empty(batch, h, cfg.v_head_dim, **f)
+            bufs = {
+                "q_lat": q_lat,
+                "q_lat_hb": q_lat.transpose(0, 1),
+                "o_lat": o_lat,
+                "o_lat_bh": o_lat.transpose(0, 1),
+                "out_hb": out.transpose(0, 1),
+                "out_flat": out.view(batch, -1),
+            }
+            kept = self._lean_ws = (key, bufs)
+        return kept[1]
 
     def _index_queries(self, plan, hidden_states, q_resid):
         """(q_idx [B,S,H_I,d_I], weights [B,S,H_I] fp32) in the ops' query order when a group of the
@@ -479,6 +609,19 @@ def _absorb_backend(choice: str, device: torch.device) -> str:
     from mlakit.kernels import pick_backend
 
     return pick_backend(device, choice)
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] · w_t [in, out] (+ bias): one aten op."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rope of x [B, n, dr] by per-row rotations [B, dr, dr] (rope.rotation_matrices), in the
+    rotation's dtype (fp32 for 16-bit x, as `apply_tables` rotates), back in x's dtype."""
+    if x.dtype == rotation.dtype:
+        return torch.bmm(x, rotation)
+    return torch.bmm(x.to(rotation.dtype), rotation).to(x.dtype)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,20 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> RopeT
     return RopeTables(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1), first, second)
 
 
+def rotation_matrices(t: RopeTables, dtype: torch.dtype) -> torch.Tensor:
+    """Tables [..., dr] → one matrix per token [..., dr, dr] in `dtype` with x @ R = `apply_tables(x, t)`:
+    column j holds cos[j] at row first[j] and sin[j] at row second[j]. A decode step rotates every
+    head's query (or a key) in one bmm instead of 4–5 elementwise ops; the two products are summed
+    with the matmul's rounding (same error against fp64 as the elementwise form, last bits may differ)."""
+    dr = t.cos.shape[-1]
+    cols = torch.arange(dr, device=t.cos.device)
+    first = cols if t.first is None else t.first
+    r = torch.zeros(*t.cos.shape, dr, dtype=dtype, device=t.cos.device)  # [..., dr (source), dr (out)]
+    r[..., first, cols] = t.cos.to(dtype)
+    r[..., t.second, cols] = t.sin.to(dtype)  # first[j] != second[j] for every j: no overlap
+    return r
+
+
 def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
     """`apply_rope` over tables from `rope_tables`: x [..., dr] → rotated, half-split order, x's dtype."""
     xf = x.to(_work_dtype(x.dtype))

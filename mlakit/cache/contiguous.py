@@ -63,6 +63,11 @@ class LatentCache(StepCache):
         )
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.written = [0] * batch_size  # tokens written per slot: lengths may only be lowered below it
+        # rows of each slot that may hold data (never lowered but by zeroing them): rows at or past a
+        # slot's length read by a step are zero, so that a masked key's value is 0, never a stale NaN
+        self._dirty = [0] * batch_size
+        # views handed to the short decode form, kept while slots and bucket stay (see lean_context)
+        self._lean_views: dict = {}
         self._init_step(cfg, device)
 
     @property
@@ -129,15 +134,47 @@ class LatentCache(StepCache):
             )
 
     def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
-        """Rows [B, S] of the step's tokens (padding: the spare row); records them as written."""
+        """Rows [B, S] of the step's tokens (padding: the spare row); records them as written. Rows of
+        these slots past their lengths that held data (dropped tokens, a released request) are zeroed
+        in every layer first (every check has passed: this is the step's first change)."""
         spare = self.batch_size * self.max_seq_len
         rows = []
         for slot, n in zip(slots, counts, strict=True):
             start = int(self.lengths[slot])
+            if self._dirty[slot] > start:
+                first = slot * self.max_seq_len
+                with torch.no_grad():
+                    for t in self._row_tensors():
+                        t[:, first + start : first + self._dirty[slot]].zero_()
             real = [slot * self.max_seq_len + start + i for i in range(n)]
             rows.append(real + [spare] * (seq_len - n))
-            self.written[slot] = start + n
+            self.written[slot] = self._dirty[slot] = start + n
         return torch.tensor(rows, dtype=torch.long)
+
+    def _row_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self._c_rows, self._k_rows, self._i_rows) if t is not None]
+
+    def lean_ready(self, group) -> bool:
+        """Whether the short decode form can read this row group's context as views (consecutive slots)."""
+        return group.slot_start is not None
+
+    def lean_context(self, layer: int, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form:
+        views of the layer's rows, made once per (slots, bucket) and then reused by every step and layer
+        (rows past a slot's length are zero: see `_reserve`)."""
+        g = plan.groups[0]
+        key = (g.slot_start, plan.lean.rows, g.key_len, torch.is_inference_mode_enabled())
+        views = self._lean_views.get(key)
+        if views is None:
+            s0, r, t = g.slot_start, plan.lean.rows, self.max_seq_len
+            rows = slice(s0 * t, (s0 + r) * t)
+            views = []
+            for layer_idx in range(self.num_layers):
+                c = self._c_rows[layer_idx, rows].view(r, t, -1)[:, : g.key_len]
+                k = self._k_rows[layer_idx, rows].view(r, t, -1)[:, : g.key_len]
+                views.append((c, c.transpose(1, 2), k.transpose(1, 2)))
+            self._lean_views = {key: views}  # one set: a new bucket replaces the last
+        return views[layer]
 
     def _rows_of(self, slots: torch.Tensor):
         def rows_of(rows: torch.Tensor, key_len: int):
@@ -154,9 +191,20 @@ class LatentCache(StepCache):
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
         rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
+        if torch.compiler.is_compiling():
+            c_rows, k_rows = self._c_rows[layer], self._k_rows[layer]
+        else:  # views made once (two select ops a call saved); a compiled graph takes the buffers
+            c_rows, k_rows = self._layer_rows(layer)
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
-            self._c_rows[layer].index_put_(rows, c_kv)
-            self._k_rows[layer].index_put_(rows, k_pe)
+            c_rows.index_put_(rows, c_kv)
+            k_rows.index_put_(rows, k_pe)
+
+    def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self.__dict__.get("_rows_by_layer")
+        if views is None or views[0] != torch.is_inference_mode_enabled():
+            views = (torch.is_inference_mode_enabled(), list(zip(self._c_rows, self._k_rows, strict=True)))
+            self._rows_by_layer = views
+        return views[1][layer]
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
@@ -200,7 +248,7 @@ class LatentCache(StepCache):
         """Empty `slot` for reuse."""
         slot = check_slot(slot, self.batch_size)
         self.lengths[slot] = 0
-        self.written[slot] = 0
+        self.written[slot] = 0  # its rows are zeroed when a step next writes the slot
 
     def view(self, slots: torch.Tensor, max_len: int, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [B, max_len, L], k_pe [B, max_len, dr]) of `slots`; no copy when slots are consecutive."""

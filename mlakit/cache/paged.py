@@ -84,10 +84,70 @@ class PagedLatentCache(StepCache):
         self._dtype = dtype
         # per layer: every page's rows, a zero row (keys past a slot's length read it), a spare row
         # (padding of ragged rows is written there)
-        self._rows = torch.zeros(num_layers, per_layer, layout.row_bytes, dtype=torch.uint8, device=device)
+        # unquantized rows hold values of one dtype: stored typed, so that writes and reads are plain
+        # slices (a compiled graph of uint8 views reinterpreted as floats copies whole pools); the
+        # uint8 view `_rows` is what kernels and byte-level readers see
+        if quant is None:
+            store_dtype, width = dtype, layout.row_bytes // dtype.itemsize
+        else:
+            store_dtype, width = torch.uint8, layout.row_bytes
+        self._store = torch.zeros(num_layers, per_layer, width, dtype=store_dtype, device=device)
+        self._views: dict = {}  # views made once: per-layer fields, the short decode form's workspace
         self.lengths = torch.zeros(max_batch, dtype=torch.long)
         self.last_slot_mapping: torch.Tensor | None = None
         self._init_step(cfg, device)
+
+    @property
+    def _rows(self) -> torch.Tensor:
+        """Every layer's rows as bytes [num_layers, rows, bytes_per_token] (a view of the store)."""
+        return self._store if self._store.dtype == torch.uint8 else self._store.view(torch.uint8)
+
+    def _field(self, layer: int, field) -> torch.Tensor:
+        """Typed view [rows, count] of one field of one layer's rows."""
+        if self._store.dtype == torch.uint8:
+            return field_view(self._store[layer], field)
+        start = field.offset // field.dtype.itemsize
+        return self._store[layer, :, start : start + field.count]
+
+    def _fields(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent, rope) typed views of one layer; made once in eager mode (4 view ops a call saved),
+        inline under torch.compile (a graph takes the store itself)."""
+        if torch.compiler.is_compiling():
+            return self._field(layer, self.layout.latent), self._field(layer, self.layout.rope)
+        key = ("fields", torch.is_inference_mode_enabled())
+        views = self._views.get(key)
+        if views is None:
+            lay = self.layout
+            views = self._views[key] = [
+                (self._field(i, lay.latent), self._field(i, lay.rope)) for i in range(self.num_layers)
+            ]
+        return views[layer]
+
+    def lean_ready(self, group) -> bool:
+        """Whether the short decode form can gather this group's context: unquantized [c_kv | k_pe] rows."""
+        lay = self.layout
+        packed = lay.rope.offset == lay.latent.count * lay.latent.dtype.itemsize
+        return lay.quant is None and lay.index is None and packed
+
+    def lean_context(self, layer: int, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form: the
+        rows [c_kv | k_pe] of the step's keys gathered in one index_select into a workspace the cache
+        keeps per (rows, bucket) and reuses for every layer and step (views of it made once)."""
+        r, t = plan.lean.rows, plan.groups[0].key_len
+        key = ("lean", r, t, torch.is_inference_mode_enabled())
+        entry = self._views.get(key)
+        if entry is None:
+            for old in [k for k in self._views if k[0] == "lean"]:
+                del self._views[old]  # one workspace: a new bucket replaces the last
+            width = self.cfg.latent_dim
+            ws = torch.empty(r * t, width, dtype=self.dtype, device=self.device)
+            rows = ws.view(r, t, width)
+            c, k = rows[..., : self.cfg.kv_lora_rank], rows[..., self.cfg.kv_lora_rank :]
+            layers = [self._store[i] for i in range(self.num_layers)]
+            entry = self._views[key] = (ws, layers, (c, c.transpose(1, 2), k.transpose(1, 2)))
+        ws, layers, views = entry
+        torch.index_select(layers[layer], 0, plan.lean.gather_rows, out=ws)
+        return views
 
     @property
     def quant(self) -> str | None:
@@ -105,7 +165,7 @@ class PagedLatentCache(StepCache):
 
     @property
     def device(self) -> torch.device:
-        return self._rows.device
+        return self._store.device
 
     @property
     def batch_size(self) -> int:
@@ -140,7 +200,7 @@ class PagedLatentCache(StepCache):
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the cache holds (tests compare them bit for bit)."""
-        return [self._rows, self.lengths]
+        return [self._rows, self.lengths]  # bytes: NaN pages still compare equal bit for bit
 
     @property
     def free_blocks(self) -> int:
@@ -209,13 +269,15 @@ class PagedLatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new tokens at the plan's rows; quantizes the latent."""
-        rows, lay = self._rows[layer], self.layout
+        lay = self.layout
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             if lay.quant is None:
                 # [B, S] rows index the pool directly: no reshape of the rows or the values
-                field_view(rows, lay.latent).index_put_((plan.write_rows,), c_kv)
-                field_view(rows, lay.rope).index_put_((plan.write_rows,), k_pe)
+                latent, rope = self._fields(layer)
+                latent.index_put_((plan.write_rows,), c_kv)
+                rope.index_put_((plan.write_rows,), k_pe)
                 return
+            rows = self._store[layer]
             target = plan.write_rows.reshape(-1)
             latent = c_kv.detach().reshape(target.numel(), -1)
             values, scale = quantize(latent, lay.quant)
@@ -227,11 +289,11 @@ class PagedLatentCache(StepCache):
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         target = plan.write_rows.reshape(-1)
-        rows, lay = self._rows[layer], self.layout
+        rows, lay = self._store[layer], self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
             if lay.quant is None:
-                field_view(rows, lay.index).index_copy_(0, target, keys)
+                self._field(layer, lay.index).index_copy_(0, target, keys)
             else:
                 if self.index_rotation:
                     keys = hadamard(keys)
@@ -245,8 +307,8 @@ class PagedLatentCache(StepCache):
         Hadamard-rotated when `index_rotation`."""
         rows = group.read_rows[:, :key_len]
         flat = rows.reshape(-1)
-        lay, pool = self.layout, self._rows[layer]
-        keys = field_view(pool, lay.index).index_select(0, flat)
+        lay, pool = self.layout, self._store[layer]
+        keys = self._field(layer, lay.index).index_select(0, flat)
         if lay.quant is not None:
             keys = dequantize(keys, field_view(pool, lay.index_scale).index_select(0, flat), self.dtype)
         return keys.view(*rows.shape, -1)
@@ -311,9 +373,10 @@ class PagedLatentCache(StepCache):
         """Rows [B, T] of one layer's pool → (c_kv [B, T, L], k_pe [B, T, dr]) in the compute dtype."""
         batch, tokens = rows.shape
         flat = rows.reshape(-1)
-        lay, pool = self.layout, self._rows[layer]
-        rope = field_view(pool, lay.rope).index_select(0, flat)
-        latent = field_view(pool, lay.latent).index_select(0, flat)
+        lay, pool = self.layout, self._store[layer]
+        latent_rows, rope_rows = self._fields(layer)
+        rope = rope_rows.index_select(0, flat)
+        latent = latent_rows.index_select(0, flat)
         if lay.quant is not None:
             scale = field_view(pool, lay.scale).index_select(0, flat)
             latent = dequantize(latent, scale, self.dtype)

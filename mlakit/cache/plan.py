@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mlakit.dispatch import choose, sparse_path
+from mlakit.ops.absorb import KEY_BLOCK
+from mlakit.ops.common import compute_dtype
+from mlakit.rope import _work_dtype, rotation_matrices
 
 # the smallest key bucket: short contexts share one shape
 MIN_BUCKET = 16
@@ -48,6 +51,18 @@ class RowGroup:
 
 
 @dataclass(eq=False)
+class LeanStep:
+    """What the short decode form of a planned absorb call reads (one new token per row, one row group
+    on absorb, one key block, matmuls in the storage dtype): built once per step so that each layer
+    runs ~26 aten ops (`MLAAttention._compute_lean`). Device tensors only; `rows` is a host fact."""
+
+    bias: torch.Tensor  # [B, 1, key_len] in the cache dtype: 0 where a key is visible, -inf past kv_lens
+    rotation: torch.Tensor  # [B, dr, dr] (fp32, fp64 for fp64): k @ R is the rotated key, per row
+    gather_rows: torch.Tensor | None  # [B * key_len] long (paged): row of each key, a view of read_rows
+    rows: int
+
+
+@dataclass(eq=False)
 class StepPlan:
     """One step of a model over a cache. Device tensors (what layers read) come first, then host facts
     that stay the same from step to step inside a bucket, then the bookkeeping `commit` uses (layers
@@ -80,6 +95,8 @@ class StepPlan:
     # [B, S, 1, dr] (built once per step so that each layer rotates in a few ops)
     rope_k: object = field(default=None, repr=False)
     rope_q: object = field(default=None, repr=False)
+    # the short decode form's tensors when the step qualifies (see `lean_step`); None: the general path
+    lean: LeanStep | None = field(default=None, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -89,6 +106,35 @@ class StepPlan:
     def mode(self) -> str:
         """The path of every row, or "mixed"."""
         return self.row_modes[0] if len(set(self.row_modes)) == 1 else "mixed"
+
+    def copy_from(self, other: StepPlan) -> None:
+        """Refill this plan's device tensors with those of `other`, a plan of the same shapes (one
+        bucket): what a captured CUDA graph replays with. Host facts (paths, buckets) must match."""
+        same = (
+            other.batch == self.batch
+            and other.seq_len == self.seq_len
+            and other.key_len == self.key_len
+            and other.row_modes == self.row_modes
+            and [g.key_len for g in other.groups] == [g.key_len for g in self.groups]
+            and (other.lean is None) == (self.lean is None)
+        )
+        if not same:
+            raise ValueError(
+                "plans differ in shape (batch, seq_len, key bucket, paths or form): capture another graph"
+            )
+        pairs = [(self.rope_k.cos, other.rope_k.cos), (self.rope_k.sin, other.rope_k.sin)]
+        for name in ("positions", "cos", "sin", "write_rows", "kv_lens", "valid", "q_index", "o_index"):
+            pairs.append((getattr(self, name), getattr(other, name)))
+        pairs.append((self.block_table, other.block_table))
+        for mine, theirs in zip(self.groups, other.groups, strict=True):
+            for name in ("rows", "kv_lens", "slots", "read_rows"):
+                pairs.append((getattr(mine, name), getattr(theirs, name)))
+        if self.lean is not None:
+            # gather_rows is a view of the group's read_rows: refilled with it
+            pairs += [(self.lean.bias, other.lean.bias), (self.lean.rotation, other.lean.rotation)]
+        for dst, src in pairs:
+            if dst is not None:
+                dst.copy_(src)
 
     def check_open(self) -> None:
         if self.state != "open":
@@ -180,6 +226,7 @@ def make_plan(
     rope_k = cache.rope.full_tables(cos, sin)
     groups = build_groups(paths, kv_lens, slot_t, device, bucket, rows_of)
     key_len = max(g.key_len for g in groups)
+    lean = lean_step(cache, groups, seq_len, ragged, rope_k)
     return StepPlan(
         cache=cache,
         positions=positions.to(device),
@@ -202,7 +249,29 @@ def make_plan(
         counts=counts_t,
         rope_k=rope_k,
         rope_q=rope_k.unsqueeze_heads(),
+        lean=lean,
     )
+
+
+def lean_step(cache, groups, seq_len: int, ragged: bool, rope_k) -> LeanStep | None:
+    """The short decode form's tensors, or None when the step needs the general path: more than one
+    new token, ragged rows, several row groups or a path other than absorb, DSA, more keys than one
+    block, matmuls in another dtype than the storage's (bf16 on a CPU without native bf16), or a
+    context the cache cannot hand out as it stands (non-consecutive slots, a quantized paged cache)."""
+    if seq_len != 1 or ragged or len(groups) != 1 or cache.cfg.is_sparse:
+        return None
+    (g,) = groups
+    dtype, device = cache.dtype, cache.device
+    if g.path != "absorb" or g.key_len > KEY_BLOCK or compute_dtype(dtype, device) != dtype:
+        return None
+    if not cache.lean_ready(g):
+        return None
+    keys = torch.arange(g.key_len, device=device)
+    hidden = keys[None, :] >= g.kv_lens[:, None]  # the one query of row b sits at kv_lens[b] - 1
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    rotation = rotation_matrices(rope_k, _work_dtype(dtype))[:, 0]  # [B, dr, dr]
+    gather = None if g.read_rows is None else g.read_rows.view(-1)
+    return LeanStep(bias[:, None, :], rotation, gather, g.kv_lens.shape[0])
 
 
 def local_plan(
