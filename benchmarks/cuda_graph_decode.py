@@ -1,8 +1,8 @@
 """The planned decode step of an N-layer stack captured in one torch.cuda.CUDAGraph (issue 10).
 
 Per step: plan on the host (outside the graph), copy the plan's tensors into the static ones the graph
-was captured with, replay, commit. Checks every replayed step against eager and prints per-step time
-eager vs graph. Without CUDA it prints "skipped: no CUDA" and exits 0.
+was captured with (`StepPlan.copy_from`), replay, commit. Checks every replayed step against eager
+and prints per-step time eager vs graph. Without CUDA it prints "skipped: no CUDA" and exits 0.
 
     PYTHONPATH=. python benchmarks/cuda_graph_decode.py [--layers 8] [--batch 8] [--context 1000]
 """
@@ -16,10 +16,6 @@ import torch
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
-
-# the plan's device tensors a replay reads; every other field is a host fact fixed by the bucket
-STATIC_FIELDS = ("positions", "cos", "sin", "write_rows", "kv_lens", "valid", "block_table")
-GROUP_FIELDS = ("kv_lens", "read_rows", "slots")
 
 
 def build(args, device):
@@ -67,22 +63,6 @@ def run_stack(layers, h, plan):
     return h
 
 
-def copy_plan(static, plan) -> None:
-    """Refill the captured plan's device tensors with this step's values (same shapes: one bucket)."""
-    for name in STATIC_FIELDS:
-        src = getattr(plan, name)
-        if src is not None:
-            getattr(static, name).copy_(src)
-    # the full-width rope tables (rope_q is a view of rope_k's tensors; the permutations never change)
-    static.rope_k.cos.copy_(plan.rope_k.cos)
-    static.rope_k.sin.copy_(plan.rope_k.sin)
-    for g_static, g in zip(static.groups, plan.groups, strict=True):
-        for name in GROUP_FIELDS:
-            src = getattr(g, name)
-            if src is not None:
-                getattr(g_static, name).copy_(src)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -115,7 +95,7 @@ def main() -> None:
         for _ in range(args.steps):
             plan = cache.plan(1, mode="absorb")
             assert plan.key_len == static.key_len, "the context left the captured bucket"
-            copy_plan(static, plan)
+            static.copy_from(plan)  # the graph reads the captured plan's tensors
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()

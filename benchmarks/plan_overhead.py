@@ -7,7 +7,7 @@
    for the stack vs per-layer one-layer calls (`--quick`: 2 layers, batch 2, 1K cached).
 
     PYTHONPATH=. python benchmarks/plan_overhead.py [--quick] [--ops N] [--threads T] [--reps R]
-        [--json out.json]
+        [--stack-reps R] [--json out.json]
 
 `--ops N` prints the N most frequent aten ops of each counted call; ms/call is the minimum over
 `--reps` timed runs (the least-disturbed one on a loaded machine; the median is in the JSON).
@@ -157,7 +157,19 @@ def stack_step_times(cfg, layers_n: int, batch: int, context: int, reps: int) ->
             cache.lengths[:] = context
 
     with torch.no_grad():
-        return {"planned_ms": 1e3 * timed(planned, reps), "per_layer_ms": 1e3 * timed(per_layer, reps)}
+        planned(), per_layer()  # warm-up
+        times = {"planned": [], "per_layer": []}
+        for _ in range(reps):  # alternated, so that a busy spell of a shared machine hits both
+            for name, fn in (("planned", planned), ("per_layer", per_layer)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        out[f"{name}_ms"] = 1e3 * ts[len(ts) // 2]
+        out[f"{name}_min_ms"] = 1e3 * ts[0]
+    return out
 
 
 def main() -> None:
@@ -169,6 +181,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=0, help="print the N most frequent aten ops of each call")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a loaded machine)")
     ap.add_argument("--reps", type=int, default=50, help="timed runs per tiny call (default 50)")
+    ap.add_argument("--stack-reps", type=int, default=5, help="DeepSeek-V3 steps of each kind (5)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,10 +196,12 @@ def main() -> None:
             print("    " + ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in top))
     layers_n, batch, context = (2, 2, 1024) if args.quick else (4, 8, 4096)
     v3 = MLAConfig.preset("deepseek-v3")
-    step = stack_step_times(v3, layers_n, batch, context, 2 if args.quick else 3)
+    step = stack_step_times(v3, layers_n, batch, context, 3 if args.quick else args.stack_reps)
     print(
-        f"DeepSeek-V3 widths, bf16, {layers_n} layers, batch {batch}, {context} cached: per step "
-        f"planned {step['planned_ms']:.0f} ms, per-layer calls {step['per_layer_ms']:.0f} ms"
+        f"DeepSeek-V3 widths, bf16, {layers_n} layers, batch {batch}, {context} cached, per step "
+        f"(median / min of {3 if args.quick else args.stack_reps}, alternated): planned "
+        f"{step['planned_ms']:.0f} / {step['planned_min_ms']:.0f} ms, per-layer calls "
+        f"{step['per_layer_ms']:.0f} / {step['per_layer_min_ms']:.0f} ms"
     )
     if args.json:
         with open(args.json, "w") as f:
