@@ -347,10 +347,12 @@ class MLAAttention(nn.Module):
         key = [torch.is_inference_mode_enabled()]
         for name in names:
             m = modules[name]
-            w = m._parameters["weight"]
             if type(m) is not Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
                 return None
-            key += (id(w), w.data_ptr())
+            w = m._parameters.get("weight")  # absent under torch.nn.utils.parametrize
+            if w is None:
+                return None
+            key += (id(w), w.data_ptr(), w.shape, w.stride(), w.dtype)
         mod = nn.modules.module
         if mod._global_forward_hooks or mod._global_forward_pre_hooks:
             return None

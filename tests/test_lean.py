@@ -182,6 +182,49 @@ def test_lean_form_follows_new_weights_and_honours_wrapped_projections():
         hook.remove()
 
 
+class Scaled(torch.nn.Module):
+    """An adapter around a projection (what LoRA wrappers look like): no `weight` of its own."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return 2 * self.base(x)
+
+
+class Double(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("how", ["wrapped", "parametrized", "transposed-in-place"])
+def test_replaced_or_reparametrized_projections_take_the_general_path(how):
+    cfg = CFG.replace(hidden_size=CFG.num_heads * CFG.v_head_dim)  # o_proj square: 15 x 15
+    layers = stack(cfg, n=1)
+    layer = layers[0]
+    cache = make_cache("contiguous", cfg, layers=1)
+    x = randn(3, 4, cfg.hidden_size, seed=11)
+    with torch.no_grad():
+        step(layers, cache, x[:, :3])
+        before = cache.lengths.clone()
+
+        def decode(**kw):
+            cache.lengths.copy_(before)
+            return step(layers, cache, x[:, 3:], **kw)[0]
+
+        decode()  # views kept for the plain module
+        if how == "wrapped":
+            layer.o_proj = Scaled(layer.o_proj)
+        elif how == "parametrized":
+            torch.nn.utils.parametrize.register_parametrization(layer.o_proj, "weight", Double())
+        else:  # same data pointer, new strides: the kept views must be made again
+            layer.o_proj.weight.data = layer.o_proj.weight.data.t()
+        got = decode()
+        want = decode(general=True)
+    assert_close(f"{how} projection", got, want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_planned_decode_call_at_the_tiny_shape_takes_at_most_30_aten_ops(kind):
     """Issue 10's target, counted (not timed): batch 4, one new token, hidden 64 / 2 heads / latent 16,
@@ -213,6 +256,12 @@ def test_copy_from_refills_a_kept_plan_as_a_replayed_cuda_graph_would_use_it():
         cache.commit(static)
         with pytest.raises(ValueError, match="differ in shape"):
             static.copy_from(cache.plan(2, mode="absorb"))
+        pair = cache.plan(1, [0, 1], mode="absorb")
+        with pytest.raises(ValueError, match="differ in shape"):  # other slots: another context view
+            pair.copy_from(cache.plan(1, [1, 2], mode="absorb"))
+        two = cache.plan(2, mode="absorb")
+        with pytest.raises(ValueError, match="differ in shape"):  # ragged rows: other query windows
+            two.copy_from(cache.plan([1, 2, 2], mode="absorb", seq_len=2))
         new = cache.plan(1, mode="absorb")
         static.copy_from(new)
         assert torch.equal(static.positions, new.positions) and torch.equal(static.kv_lens, new.kv_lens)

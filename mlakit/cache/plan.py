@@ -110,17 +110,23 @@ class StepPlan:
     def copy_from(self, other: StepPlan) -> None:
         """Refill this plan's device tensors with those of `other`, a plan of the same shapes (one
         bucket): what a captured CUDA graph replays with. Host facts (paths, buckets) must match."""
-        same = (
-            other.batch == self.batch
-            and other.seq_len == self.seq_len
-            and other.key_len == self.key_len
-            and other.row_modes == self.row_modes
-            and [g.key_len for g in other.groups] == [g.key_len for g in self.groups]
-            and (other.lean is None) == (self.lean is None)
-        )
-        if not same:
+
+        def facts(plan):
+            return (
+                plan.cache,
+                plan.batch,
+                plan.seq_len,
+                plan.key_len,
+                plan.row_modes,
+                plan.ragged,
+                None if plan.lean is None else plan.lean.rows,
+                [(g.key_len, g.slot_start, g.rows is None, g.slots is None) for g in plan.groups],
+            )
+
+        if not isinstance(other, StepPlan) or facts(other) != facts(self):
             raise ValueError(
-                "plans differ in shape (batch, seq_len, key bucket, paths or form): capture another graph"
+                "plans differ in shape (cache, batch, seq_len, key bucket, paths, raggedness, consecutive "
+                "slots or form): capture another graph"
             )
         pairs = [(self.rope_k.cos, other.rope_k.cos), (self.rope_k.sin, other.rope_k.sin)]
         for name in ("positions", "cos", "sin", "write_rows", "kv_lens", "valid", "q_index", "o_index"):
@@ -132,6 +138,9 @@ class StepPlan:
         if self.lean is not None:
             # gather_rows is a view of the group's read_rows: refilled with it
             pairs += [(self.lean.bias, other.lean.bias), (self.lean.rotation, other.lean.rotation)]
+        for dst, src in pairs:
+            if (dst is None) != (src is None) or (dst is not None and dst.shape != src.shape):
+                raise ValueError("plans differ in shape: capture another graph")
         for dst, src in pairs:
             if dst is not None:
                 dst.copy_(src)
