@@ -115,6 +115,9 @@ class MLAAttention(nn.Module):
         # recorded in `last_backend` and on the step's plan (`plan.backend`)
         self.absorb_backend = "auto"
         self.last_backend: str | None = None
+        # a plan with a lean form (one-token absorb decode) runs `_compute_lean` (~22 aten ops instead of
+        # ~80); False: always the general path (docs/cache.md says when that matters)
+        self.short_decode = True
         self._derived: torch.Tensor | None = None  # the reused buffer up_weights converts into
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
@@ -289,46 +292,70 @@ class MLAAttention(nn.Module):
         path, whose views and masks it fuses anyway)."""
         # (the plan has checked the rest: the cache's compute dtype is its storage dtype, which
         # `run` checked is the layer's, and DSA steps get no lean form)
-        if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or not self.short_decode:
             return False
         return not isinstance(plan.cache, PagedLatentCache) or (
             _absorb_backend(self.absorb_backend, plan.cache.device) == "torch"
         )
 
     def _compute_lean(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int) -> torch.Tensor:
-        """One new token per row, absorb over one key block: the general path's arithmetic in ~26 aten
+        """One new token per row, absorb over one key block: the general path's arithmetic in ~22 aten
         ops (at the tiny shape of benchmarks/plan_overhead.py, against 80).
 
         What makes it short: 2-D activations through the projections; weight views (transposes, the
         per-head split of kv_b_proj) made once (`_lean_weights`); rope as one bmm with the plan's
         per-row rotation; the plan's additive mask as the input of the first score matmul; the
         context as views the cache keeps (rows past a slot's length are zero there, so a masked
-        key's value is 0 · 0); queries and values written by `out=` into workspaces laid out so that
-        no transpose or copy is needed before the next matmul. The results equal the general path's
-        to fp32 round-off (tests/test_plan.py runs both)."""
+        key's value is 0 · 0); projections, queries and values written by `out=` into workspaces laid
+        out so that no split, transpose or copy is needed before the next matmul (under grad mode the
+        query side runs plain ops instead: 28 ops). The results and gradients equal the general
+        path's to fp32 round-off (tests/test_lean.py runs both)."""
         cfg, lean, cache = self.cfg, plan.lean, plan.cache
         w = self._lean_weights()
         if w is None:  # a projection is wrapped, hooked or replaced: run it through its module
             return self._compute_general(hidden_states, plan, layer)
-        batch, heads, latent = plan.batch, cfg.num_heads, cfg.kv_lora_rank
+        batch, heads = plan.batch, cfg.num_heads
         x = hidden_states.reshape(batch, -1)  # [B, D]: one new token per row (a view when it can be)
-        if cfg.q_lora_rank is None:
-            q = _mm(x, w["q"], None)
-        else:
-            q = _mm(self.q_a_layernorm(_mm(x, w["q_a"], self.q_a_proj.bias)), w["q_b"], None)
-        kv = _mm(x, w["kv_a"], self.kv_a_proj_with_mqa.bias).view(batch, 1, -1)
-        c_kv, k_pe = kv.split([latent, cfg.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)  # [B, 1, L]
-        k_pe = _rotate(k_pe, lean.rotation)  # [B, 1, dr]
-        cache.write(plan, layer, c_kv, k_pe)
-        q_nope, q_pe = q.view(batch, heads, -1).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = _rotate(q_pe, lean.rotation)  # [B, H, dr]
+        # autograd records the call under grad mode (weights that require grad): `out=` is not
+        # differentiable, so the query side then runs plain matmuls and a transpose or two more
+        record = torch.is_grad_enabled()
         ws = self._lean_workspace(batch)
-        torch.bmm(q_nope.transpose(0, 1), w["uk"], out=ws["q_lat_hb"])  # q_lat [B, H, L]
-        c, c_t, k_t = cache.lean_context(layer, plan)
+        with torch.no_grad():
+            # the keys reach attention through the cache (the general path reads them from there
+            # too): no gradient flows through this side in either path
+            _mm(x, w["kv_a"], self.kv_a_proj_with_mqa.bias, out=ws["kv"])  # [B, L + dr]
+            c_kv = self.kv_a_layernorm(ws["c_kv"])  # [B, 1, L]
+            k_pe = _rotate(ws["k_pe"], lean.rotation)  # [B, 1, dr]
+            cache.write(plan, layer, c_kv, k_pe)
+        q_a = None if cfg.q_lora_rank is None else self.q_a_layernorm(_mm(x, w["q_a"], self.q_a_proj.bias))
+        w_q = w["q"] if q_a is None else w["q_b"]
+        if record:
+            q = _mm(x if q_a is None else q_a, w_q, None).view(batch, heads, -1)
+            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        else:
+            _mm(x if q_a is None else q_a, w_q, None, out=ws["q"])
+            q_nope, q_pe = ws["q_nope"], ws["q_pe"]  # [B, H, dn], [B, H, dr]
+        q_pe = _rotate(q_pe, lean.rotation)  # [B, H, dr]
+        if record:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), w["uk"]).transpose(0, 1)  # [B, H, L]
+        else:
+            torch.bmm(q_nope.transpose(0, 1), w["uk"], out=ws["q_lat_hb"])
+            q_lat = ws["q_lat"]  # [B, H, L]
+        c, c_t, k_t = cache.lean_context(layer, plan, record)
         scores = torch.baddbmm(lean.bias, q_pe, k_t, alpha=self.scale)  # [B, H, T], -inf past kv_lens
-        scores.baddbmm_(ws["q_lat"], c_t, alpha=self.scale)
+        scores.baddbmm_(q_lat, c_t, alpha=self.scale)
         probs = torch.softmax(scores, dim=-1)
+        if record:
+            o_lat = torch.bmm(probs, c)  # [B, H, L]
+            out_t = torch.bmm(w["uv"], o_lat.permute(1, 2, 0)).view(-1, batch)  # [H·dv, B]
+            bias = self.o_proj.bias
+            out_t = (
+                torch.mm(self.o_proj.weight, out_t)
+                if bias is None
+                else torch.addmm(bias[:, None], self.o_proj.weight, out_t)
+            )
+            # [D, B] read as [B, 1, D]: a transposed view (no copy)
+            return out_t.as_strided((batch, 1, out_t.shape[0]), (1, out_t.numel(), batch))
         torch.bmm(probs, c, out=ws["o_lat_bh"])  # o_lat [H, B, L]
         torch.bmm(ws["o_lat"], w["uv_t"], out=ws["out_hb"])  # out [B, H, dv]
         out = _mm(ws["out_flat"], w["o"], self.o_proj.bias)
@@ -360,12 +387,15 @@ class MLAAttention(nn.Module):
         if kept is not None and kept[0] == key:
             return kept[1]
         cfg = self.cfg
-        per_head = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
-        w_uk, w_uv = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
-        views = {"uk": w_uk, "uv_t": w_uv.transpose(1, 2)}
-        for name in names:
-            if name != "kv_b_proj":
-                views[_LEAN_SHORT[name]] = modules[name].weight.t()
+        # made under grad mode: a view keeps its link to the weight (views save no tensors, so one
+        # view node serves any number of backward passes); under no_grad the link is simply unused
+        with torch.enable_grad():
+            per_head = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+            w_uk, w_uv = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            views = {"uk": w_uk, "uv": w_uv, "uv_t": w_uv.transpose(1, 2)}
+            for name in names:
+                if name != "kv_b_proj":
+                    views[_LEAN_SHORT[name]] = modules[name].weight.t()
         self._lean_views = (key, views)
         return views
 
@@ -382,7 +412,16 @@ class MLAAttention(nn.Module):
             q_lat = torch.empty(batch, h, latent, **f)
             o_lat = torch.empty(h, batch, latent, **f)
             out = torch.empty(batch, h, cfg.v_head_dim, **f)
+            kv = torch.empty(batch, 1, cfg.latent_dim, **f)
+            q = torch.empty(batch, h, cfg.qk_head_dim, **f)
+            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
             bufs = {
+                "kv": kv.view(batch, -1),
+                "c_kv": kv[..., :latent],
+                "k_pe": kv[..., latent:],
+                "q": q.view(batch, -1),
+                "q_nope": q_nope,
+                "q_pe": q_pe,
                 "q_lat": q_lat,
                 "q_lat_hb": q_lat.transpose(0, 1),
                 "o_lat": o_lat,
@@ -613,9 +652,11 @@ def _absorb_backend(choice: str, device: torch.device) -> str:
     return pick_backend(device, choice)
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [N, in] · w_t [in, out] (+ bias): one aten op."""
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
+    """x [N, in] · w_t [in, out] (+ bias): one aten op (into `out` when given)."""
+    if bias is None:
+        return torch.mm(x, w_t, out=out)
+    return torch.addmm(bias, x, w_t, out=out)
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

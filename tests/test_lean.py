@@ -225,22 +225,55 @@ def test_replaced_or_reparametrized_projections_take_the_general_path(how):
     assert_close(f"{how} projection", got, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad-mode"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_planned_decode_call_at_the_tiny_shape_takes_at_most_30_aten_ops(kind):
+def test_a_planned_decode_call_at_the_tiny_shape_takes_at_most_30_aten_ops(kind, grad):
     """Issue 10's target, counted (not timed): batch 4, one new token, hidden 64 / 2 heads / latent 16,
-    64 cached tokens, mode absorb."""
+    64 cached tokens, mode absorb; under no_grad and under grad mode (autograd records the call)."""
     layer = make_layer(TINY, seed=6)
     paged = kind == "paged"
     cache = PagedLatentCache(TINY, 8, 64, max_batch=4) if paged else LatentCache(TINY, 4, 128)
     h = randn(4, 1, TINY.hidden_size, seed=7)
     with torch.no_grad():
         layer(randn(4, 64, TINY.hidden_size, seed=8), cache)
+    with torch.set_grad_enabled(grad):
         plan = cache.plan(1, mode="absorb")
         layer(h, plan)  # makes the views the calls reuse
         counter = OpCounter()
         with counter:
-            layer(h, plan)
+            out = layer(h, plan)
+    assert out.requires_grad == grad
     assert counter.ops <= 30, f"{counter.ops} aten ops"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_through_the_lean_form_equal_the_general_paths(kind):
+    """Under grad mode the lean form records a graph: gradients of the queries' side (hidden states,
+    q and o projections, kv_b_proj) equal the general path's; the keys reach attention through the
+    cache in both, so kv_a_proj gets none from a planned call in either."""
+    layers = stack()
+    x = randn(3, 6, CFG.hidden_size, seed=12)
+    grads = {}
+    for general in (False, True):
+        cache = make_cache(kind)
+        with torch.no_grad():
+            step(layers, cache, x[:, :5])
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        h = x[:, 5:].clone().requires_grad_(True)
+        out, lean = step(layers, cache, h, general=general)
+        assert lean is not None
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads[general] = {"hidden": h.grad}
+        for i, layer in enumerate(layers):
+            for name, p in layer.named_parameters():
+                grads[general][f"{i}.{name}"] = p.grad
+    for name, want in grads[True].items():
+        got = grads[False][name]
+        if want is None:
+            assert got is None or not got.any(), f"{name}: a gradient the general path does not give"
+        else:
+            assert_close(f"grad {name}", got, want, rtol=1e-5)
 
 
 def test_copy_from_refills_a_kept_plan_as_a_replayed_cuda_graph_would_use_it():
@@ -294,3 +327,28 @@ def test_bf16_lean_form_where_bf16_matmuls_are_native(kind, monkeypatch):
     for layer in layers:
         ref = naive_mla(layer, ref)
     assert_close("bf16 lean vs fp64", got.float(), ref[:, -1:].float(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_grad_mode_a_backward_must_come_before_the_cache_is_written_again(kind):
+    """The lean form saves views of the cache (contiguous) or of a per-layer workspace (paged) for its
+    backward: a backward after a later step wrote them is refused by autograd, never silently stale;
+    `short_decode = False` (the general path, gathered copies) is there for the paged cache."""
+    layers = stack()
+    cache = make_cache(kind)
+    x = randn(3, 7, CFG.hidden_size, seed=13)
+    with torch.no_grad():
+        step(layers, cache, x[:, :5])
+    first, _ = step(layers, cache, x[:, 5:6])
+    first.sum().backward()  # before the next step: fine
+    first, _ = step(layers, cache, x[:, 6:7])
+    step(layers, cache, x[:, 6:7] * 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        first.sum().backward()
+    if kind == "paged":
+        for layer in layers:
+            layer.short_decode = False
+        first, lean = step(layers, cache, x[:, 6:7])
+        step(layers, cache, x[:, 6:7] * 0)
+        first.sum().backward()  # the general path gathered copies
+        assert lean is not None and layers[0].short_decode is False

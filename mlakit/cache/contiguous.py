@@ -158,10 +158,13 @@ class LatentCache(StepCache):
         """Whether the short decode form can read this row group's context as views (consecutive slots)."""
         return group.slot_start is not None
 
-    def lean_context(self, layer: int, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def lean_context(
+        self, layer: int, plan, record: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form:
         views of the layer's rows, made once per (slots, bucket) and then reused by every step and layer
-        (rows past a slot's length are zero: see `_reserve`)."""
+        (rows past a slot's length are zero: see `_reserve`). `record` changes nothing here: each layer's
+        views have their own version counter (`_layer_rows`), which autograd checks."""
         g = plan.groups[0]
         key = (g.slot_start, plan.lean.rows, g.key_len, torch.is_inference_mode_enabled())
         views = self._lean_views.get(key)
@@ -170,8 +173,9 @@ class LatentCache(StepCache):
             rows = slice(s0 * t, (s0 + r) * t)
             views = []
             for layer_idx in range(self.num_layers):
-                c = self._c_rows[layer_idx, rows].view(r, t, -1)[:, : g.key_len]
-                k = self._k_rows[layer_idx, rows].view(r, t, -1)[:, : g.key_len]
+                c_rows, k_rows = self._layer_rows(layer_idx)
+                c = c_rows[rows].view(r, t, -1)[:, : g.key_len]
+                k = k_rows[rows].view(r, t, -1)[:, : g.key_len]
                 views.append((c, c.transpose(1, 2), k.transpose(1, 2)))
             self._lean_views = {key: views}  # one set: a new bucket replaces the last
         return views[layer]
@@ -200,10 +204,13 @@ class LatentCache(StepCache):
             k_rows.index_put_(rows, k_pe)
 
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c rows [rows, L], k rows [rows, dr]) of one layer, made once: aliases of the buffers with a
+        version counter of their own per layer, so that autograd (a planned call under grad mode saves
+        context views for its backward) sees a write to this layer's rows and not the other layers'."""
         views = self.__dict__.get("_rows_by_layer")
         if views is None or views[0] != torch.is_inference_mode_enabled():
-            views = (torch.is_inference_mode_enabled(), list(zip(self._c_rows, self._k_rows, strict=True)))
-            self._rows_by_layer = views
+            rows = [(_alias(c), _alias(k)) for c, k in zip(self._c_rows, self._k_rows, strict=True)]
+            views = self._rows_by_layer = (torch.is_inference_mode_enabled(), rows)
         return views[1][layer]
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,8 +220,12 @@ class LatentCache(StepCache):
             # consecutive slots: their rows straight from the layer's buffer (4 view ops per tensor)
             s0, r, t = group.slot_start, group.kv_lens.shape[0], self.max_seq_len
             rows = slice(s0 * t, (s0 + r) * t)
-            c = self._c_rows[layer, rows].view(r, t, -1)
-            k = self._k_rows[layer, rows].view(r, t, -1)
+            if torch.compiler.is_compiling():
+                c_rows, k_rows = self._c_rows[layer], self._k_rows[layer]
+            else:  # the layer's own version counter: autograd sees this layer's writes only
+                c_rows, k_rows = self._layer_rows(layer)
+            c = c_rows[rows].view(r, t, -1)
+            k = k_rows[rows].view(r, t, -1)
             return (c, k) if key_len == t else (c[:, :key_len], k[:, :key_len])
         c_all, k_all = self.layer_view(layer)
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
@@ -260,3 +271,11 @@ class LatentCache(StepCache):
             ]
         idx = slots.to(self.device)
         return c_all[idx, :max_len], k_all[idx, :max_len]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory (same sizes and strides) with a version counter of its own."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+        )

@@ -129,24 +129,32 @@ class PagedLatentCache(StepCache):
         packed = lay.rope.offset == lay.latent.count * lay.latent.dtype.itemsize
         return lay.quant is None and lay.index is None and packed
 
-    def lean_context(self, layer: int, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def lean_context(
+        self, layer: int, plan, record: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form: the
         rows [c_kv | k_pe] of the step's keys gathered in one index_select into a workspace the cache
-        keeps per (rows, bucket) and reuses for every layer and step (views of it made once)."""
+        keeps per (rows, bucket) and reuses for every layer and step (views of it made once).
+        `record` (autograd saves the context for its backward): one workspace per layer, so that the
+        next layer's gather cannot overwrite what an earlier layer's backward reads (the next step's
+        does: autograd then refuses the stale backward)."""
         r, t = plan.lean.rows, plan.groups[0].key_len
-        key = ("lean", r, t, torch.is_inference_mode_enabled())
+        key = ("lean", r, t, torch.is_inference_mode_enabled(), record)
         entry = self._views.get(key)
         if entry is None:
-            for old in [k for k in self._views if k[0] == "lean"]:
-                del self._views[old]  # one workspace: a new bucket replaces the last
-            width = self.cfg.latent_dim
-            ws = torch.empty(r * t, width, dtype=self.dtype, device=self.device)
-            rows = ws.view(r, t, width)
-            c, k = rows[..., : self.cfg.kv_lora_rank], rows[..., self.cfg.kv_lora_rank :]
-            layers = [self._store[i] for i in range(self.num_layers)]
-            entry = self._views[key] = (ws, layers, (c, c.transpose(1, 2), k.transpose(1, 2)))
-        ws, layers, views = entry
-        torch.index_select(layers[layer], 0, plan.lean.gather_rows, out=ws)
+            for old in [k for k in self._views if k[0] == "lean" and k[-1] == record]:
+                del self._views[old]  # one set per kind: a new bucket replaces the last
+            width, latent = self.cfg.latent_dim, self.cfg.kv_lora_rank
+            entry = self._views[key] = []
+            for i in range(self.num_layers):
+                if i == 0 or record:
+                    ws = torch.empty(r * t, width, dtype=self.dtype, device=self.device)
+                    rows = ws.view(r, t, width)
+                    c, k = rows[..., :latent], rows[..., latent:]
+                    views = (c, c.transpose(1, 2), k.transpose(1, 2))
+                entry.append((ws, self._store[i], views))
+        ws, pool, views = entry[layer]
+        torch.index_select(pool, 0, plan.lean.gather_rows, out=ws)
         return views
 
     @property

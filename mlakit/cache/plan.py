@@ -54,7 +54,7 @@ class RowGroup:
 class LeanStep:
     """What the short decode form of a planned absorb call reads (one new token per row, one row group
     on absorb, one key block, matmuls in the storage dtype): built once per step so that each layer
-    runs ~26 aten ops (`MLAAttention._compute_lean`). Device tensors only; `rows` is a host fact."""
+    runs ~22 aten ops (`MLAAttention._compute_lean`). Device tensors only; `rows` is a host fact."""
 
     bias: torch.Tensor  # [B, 1, key_len] in the cache dtype: 0 where a key is visible, -inf past kv_lens
     rotation: torch.Tensor  # [B, dr, dr] (fp32, fp64 for fp64): k @ R is the rotated key, per row
