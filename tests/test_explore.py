@@ -571,14 +571,17 @@ def test_the_url_keeps_the_view(driver, page_url):
     set_control(driver, "counting", "independent")
     set_control(driver, "machine", "h200")
     set_control(driver, "gqa-groups", "2,4")
+    set_control(driver, "dsa-new", 9)
     link = driver.current_url
-    assert "context=777" in link and "machine=h200" in link
+    assert "context=777" in link and "machine=h200" in link and "dsa-new=9" in link
     driver.get("about:blank")
     driver.get(link)
     s = read(driver)
     assert (s["model"], s["context"], s["machine"]) == ("glm-5", "777", "h200")
     assert driver.find_element("id", "counting").get_attribute("value") == "independent"
     assert "gqa2" in s["rows"]
+    assert driver.find_element("id", "dsa-new").get_attribute("value") == "9"
+    check_dsa_terms(read_dsa(driver), MLAConfig.preset("glm-5"), 777, "independent", "bf16", 9)
     assert_tokens(
         "from link", s["exact"], s["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 777).exact
     )
