@@ -74,9 +74,10 @@ function drawDsaBoxes(state) {
   box.dataset.upper = band === null || band[1] === null ? "none" : String(band[1]);
   box.textContent = band === null ? "never" : `${fixed1(band[0])} ≤ new < ${band[1] === null ? "∞" : fixed1(band[1])}`;
   $("dsa-crossover-counting").textContent = state.counting;
+  // the closed form counts k keys per query: it holds past index_topk (at or below it DSA is dense)
   const closed = state.context > k ? independentSparseCrossover(w, state.context) : null;
   setFigure("dsa-crossover-independent", closed, closed === null ? "" : fixed1(closed) + " new tokens");
-  if (state.context <= k) $("dsa-crossover-independent").textContent = "— (context ≤ index_topk: dense)";
+  if (state.context <= k) $("dsa-crossover-independent").textContent = "— (context ≤ index_topk: DSA is dense)";
 }
 
 function drawDsaTerms(state, n) {
