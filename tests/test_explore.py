@@ -25,7 +25,12 @@ WIDTH_FIELDS = (
     "num_layers",
     "hidden_size",
     "q_lora_rank",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
 )
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+DENSE = dict.fromkeys(INDEX_FIELDS, 0)  # the page's custom widths: top-k 0 is dense MLA
 CUSTOM = {  # odd widths, and one with 2L < nope + v (no long-context crossover)
     "odd": dict(
         num_heads=6,
@@ -36,6 +41,7 @@ CUSTOM = {  # odd widths, and one with 2L < nope + v (no long-context crossover)
         num_layers=3,
         hidden_size=64,
         q_lora_rank=0,
+        **DENSE,
     ),
     "wide-heads": dict(
         num_heads=4,
@@ -46,6 +52,35 @@ CUSTOM = {  # odd widths, and one with 2L < nope + v (no long-context crossover)
         num_layers=2,
         hidden_size=96,
         q_lora_rank=32,
+        **DENSE,
+    ),
+}
+SPARSE_CUSTOM = {  # odd DSA widths: k 9, and an indexer that costs more per key than attention
+    "tiny-dsa": dict(
+        num_heads=6,
+        kv_lora_rank=40,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_layers=3,
+        hidden_size=64,
+        q_lora_rank=24,
+        index_n_heads=3,
+        index_head_dim=20,
+        index_topk=9,
+    ),
+    "heavy-indexer": dict(
+        num_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        num_layers=2,
+        hidden_size=32,
+        q_lora_rank=8,
+        index_n_heads=8,
+        index_head_dim=130,
+        index_topk=5,
     ),
 }
 MEASURED = {"name": "bench-box", "peak_flops": {"fp32": 8.9e10, "bf16": 8.9e10}, "memory_bandwidth": 1.6e10}
@@ -76,8 +111,12 @@ def bench_results() -> dict:
 def preset_or_custom(name: str) -> MLAConfig:
     if name in PRESETS:
         return MLAConfig.preset(name)
-    widths = dict(CUSTOM[name])
+    widths = dict({**CUSTOM, **SPARSE_CUSTOM}[name])
     widths["q_lora_rank"] = widths["q_lora_rank"] or None
+    if widths["index_topk"]:
+        widths["indexer_rope_interleave"] = False  # the layout does not change a cost
+    else:
+        widths.update(dict.fromkeys(INDEX_FIELDS))
     return MLAConfig(**widths)
 
 
@@ -107,8 +146,10 @@ def test_writer_sends_inputs_not_figures():
         "bench",
     }
     assert set(inputs["presets"]) == set(PRESETS)
-    for widths in inputs["presets"].values():
+    for name, widths in inputs["presets"].items():
         assert set(widths) == set(WIDTH_FIELDS)
+        cfg = MLAConfig.preset(name)
+        assert {f: widths[f] for f in INDEX_FIELDS} == {f: getattr(cfg, f) for f in INDEX_FIELDS}, name
     assert inputs["start"] == {
         "model": "deepseek-v3",
         "context": 4096,
@@ -213,7 +254,7 @@ def choose_model(d, name: str) -> None:
         set_control(d, "model", name)
         return
     set_control(d, "model", "custom")
-    for field, value in CUSTOM[name].items():
+    for field, value in {**CUSTOM, **SPARSE_CUSTOM}[name].items():
         set_control(d, f"custom-{field}", value)
 
 
@@ -530,18 +571,230 @@ def test_the_url_keeps_the_view(driver, page_url):
     set_control(driver, "counting", "independent")
     set_control(driver, "machine", "h200")
     set_control(driver, "gqa-groups", "2,4")
+    set_control(driver, "dsa-new", 9)
     link = driver.current_url
-    assert "context=777" in link and "machine=h200" in link
+    assert "context=777" in link and "machine=h200" in link and "dsa-new=9" in link
     driver.get("about:blank")
     driver.get(link)
     s = read(driver)
     assert (s["model"], s["context"], s["machine"]) == ("glm-5", "777", "h200")
     assert driver.find_element("id", "counting").get_attribute("value") == "independent"
     assert "gqa2" in s["rows"]
+    assert driver.find_element("id", "dsa-new").get_attribute("value") == "9"
+    check_dsa_terms(read_dsa(driver), MLAConfig.preset("glm-5"), 777, "independent", "bf16", 9)
     assert_tokens(
         "from link", s["exact"], s["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 777).exact
     )
     driver.get(page_url)  # the other tests start from the plain page
+
+
+# --- the DSA panel (sparse models): equal to mlakit.cost.sparse
+
+DSA_MODELS = ("deepseek-v3.2", "glm-5")
+# below k, k and k+1, either side of both models' break-even (2,177.0), inside and past the bytes
+# break-even band (2,313-2,633), the issue's 32K and 128K, and the top of the range
+DSA_CONTEXTS = (1, 1000, 2048, 2049, 2176, 2178, 2400, 2700, 4096, 32768, 131072, 1 << 20)
+
+READ_DSA = """
+const el = (id) => document.getElementById(id);
+const v = (id) => el(id).dataset.value;
+const decode = {};
+for (const tr of document.querySelectorAll('#dsa-decode-body tr')) {
+  decode[tr.dataset.key] = {core: tr.querySelector('.core').dataset.value,
+                            all_terms: tr.querySelector('.all-terms').dataset.value};
+}
+const terms = [...document.querySelectorAll('#dsa-terms-body tr')].map((tr) => [tr.dataset.path,
+  tr.dataset.term, tr.querySelector('.macs').dataset.value, tr.querySelector('.bytes').dataset.value]);
+const note = el('dsa-terms-note').dataset;
+return {
+  shown: !el('dsa').hidden, error: el('error').textContent,
+  ratio: v('dsa-ratio'), ratio_text: el('dsa-ratio').textContent,
+  share: v('dsa-share'), share_text: el('dsa-share').textContent,
+  breakeven: v('dsa-breakeven'), breakeven_text: el('dsa-breakeven').textContent,
+  breakeven_projections: v('dsa-breakeven-projections'),
+  breakeven_bytes: v('dsa-breakeven-bytes'), breakeven_bytes_fp8: v('dsa-breakeven-bytes-fp8'),
+  crossover: [el('dsa-crossover').dataset.lower, el('dsa-crossover').dataset.upper],
+  crossover_text: el('dsa-crossover').textContent,
+  crossover_independent: v('dsa-crossover-independent'),
+  cache_token: v('dsa-cache-token'), cache_sequence: v('dsa-cache-sequence'),
+  cache_token_text: el('dsa-cache-token').textContent, cache_layer: el('dsa-cache-layer').textContent,
+  marker: el('dsa-breakeven-marker') ? el('dsa-breakeven-marker').dataset.context : null,
+  decode: decode, terms: terms, dense: note.dense, fewer: note.fewer, auto: note.auto,
+};
+"""
+
+
+def read_dsa(d) -> dict:
+    return d.execute_script(READ_DSA)
+
+
+def assert_figure(name: str, got: str, want, rel: float = 1e-12) -> None:
+    """A figure the page shows against Python's; the page shows none where Python's is not a positive
+    number (an indexer that costs more per key than attention never pays off)."""
+    if want is None or want <= 0:
+        assert got == "none", f"{name}: got {got!r}, want none (Python: {want!r})"
+        return
+    assert got != "none" and math.isclose(float(got), want, rel_tol=rel), (
+        f"{name}: got {got!r}, want {want!r}"
+    )
+
+
+def check_dsa_panel(s: dict, cfg: MLAConfig, context: int, counting: str, dtype: str, new: int = 1) -> None:
+    where = f"{cfg.name} at {context} ({counting}, {dtype}, new {new})"
+    assert s["shown"] and s["error"] == "", where
+    summary = cost.dsa_decode_summary(cfg, context)
+    for part in ("core", "all_terms"):
+        for key in ("dense", "sparse", "ratio", "indexer_share"):
+            assert_figure(f"decode {part} {key}, {where}", s["decode"][key][part], summary[part][key])
+    assert_figure(f"ratio box, {where}", s["ratio"], summary["core"]["ratio"])
+    assert_figure(f"share box, {where}", s["share"], summary["core"]["indexer_share"])
+    assert s["ratio_text"] == f"{summary['core']['ratio']:.2f}×", where
+    assert int(s["decode"]["index"]["core"]) == cost.sparse.sparse_core_macs(cfg, context)["index_scores"], (
+        where
+    )
+    terms = cost.sparse_path_terms(cfg, "sparse-absorb", 1, context)
+    index_all = sum(v for k, v in terms.items() if k.startswith("index_"))
+    assert int(s["decode"]["index"]["all_terms"]) == index_all, where
+
+    assert_figure(f"break-even, {where}", s["breakeven"], cost.dsa_breakeven(cfg))
+    assert_figure(f"marker, {where}", s["marker"], cost.dsa_breakeven(cfg))
+    assert_figure(
+        f"break-even + projections, {where}", s["breakeven_projections"], cost.dsa_breakeven(cfg, True)
+    )
+    assert_figure(f"break-even bytes, {where}", s["breakeven_bytes"], cost.dsa_breakeven_bytes(cfg, dtype))
+    want_fp8 = cost.dsa_breakeven_bytes(cfg, dtype, "fp8")
+    assert_figure(f"break-even bytes, fp8 key, {where}", s["breakeven_bytes_fp8"], want_fp8)
+
+    band = cost.sparse_crossover(cfg, context, counting)
+    if band is None:
+        assert s["crossover"] == ["none", "none"] and s["crossover_text"] == "never", where
+    else:
+        assert_figure(f"crossover lower, {where}", s["crossover"][0], band[0], rel=1e-8)
+        assert_figure(f"crossover upper, {where}", s["crossover"][1], band[1], rel=1e-8)
+    closed = cost.sparse.independent_sparse_crossover(cfg, context) if context > cfg.index_topk else None
+    assert_figure(f"closed form, {where}", s["crossover_independent"], closed)
+
+    economics = cost.cache_economics(cfg, context, dtype)["indexer"]
+    assert int(s["cache_token"]) == economics["mla_with_indexer_bytes_per_token"], where
+    assert int(s["cache_sequence"]) == economics["mla_with_indexer_bytes_per_sequence"], where
+    assert s["cache_token_text"] == cost.format_bytes(economics["mla_with_indexer_bytes_per_token"]), where
+    assert s["cache_layer"] == f"{economics['mla_with_indexer_bytes_per_token_per_layer']:,}", where
+    check_dsa_terms(s, cfg, context, counting, dtype, new)
+
+
+def check_dsa_terms(s: dict, cfg: MLAConfig, context: int, counting: str, dtype: str, new: int) -> None:
+    """The term table: both sparse paths as `mlakit cost` prints them, and dense absorb beside them."""
+    where = f"{cfg.name} at {context} ({counting}, {dtype}, new {new})"
+    want = cost.sparse_cost(cfg, context, new, dtype, counting)
+    macs = cost.absorb_macs(cfg, new, context, counting)
+    nbytes = cost.absorb_bytes(cfg, new, context, counting, dtype)
+    dense = {name: {"macs": macs[name], "bytes": nbytes[name]} for name in macs}
+    paths = {**want["terms"], "absorb": dense}
+    totals = {**want["totals"], "absorb": {"macs": sum(macs.values()), "bytes": sum(nbytes.values())}}
+    rows = [
+        (path, term, t["macs"], t["bytes"])
+        for path, terms in paths.items()
+        for term, t in [*terms.items(), ("total", totals[path])]
+    ]
+    got = [(path, term, int(m), int(b)) for path, term, m, b in s["terms"]]
+    assert got == rows, where
+    flags = (str(want["dense"]).lower(), want["fewer_macs"], want["auto_picks"])
+    assert (s["dense"], s["fewer"], s["auto"]) == flags, where
+
+
+@pytest.mark.browser
+def test_dsa_panel_equals_sparse_cost_over_a_grid(page):
+    set_control(page, "dtype", "bf16")
+    for name in DSA_MODELS:
+        choose_model(page, name)
+        cfg = MLAConfig.preset(name)
+        for context in DSA_CONTEXTS:
+            set_control(page, "context", context)
+            for counting in cost.MODELS:
+                set_control(page, "counting", counting)
+                check_dsa_panel(read_dsa(page), cfg, context, counting, "bf16")
+    set_control(page, "counting", "causal")
+
+
+@pytest.mark.browser
+def test_dsa_terms_over_new_tokens_and_dtypes(page):
+    choose_model(page, "deepseek-v3.2")
+    cfg = MLAConfig.preset("deepseek-v3.2")
+    set_control(page, "counting", "causal")
+    for context, new in ((1000, 1), (1000, 1049), (2047, 2), (4096, 700), (4096, 6000), (131072, 16384)):
+        set_control(page, "context", context)
+        set_control(page, "dsa-new", new)
+        for dtype in cost.CACHE_DTYPES:
+            set_control(page, "dtype", dtype)
+            check_dsa_panel(read_dsa(page), cfg, context, "causal", dtype, new)
+    set_control(page, "dsa-new", 1)
+    set_control(page, "dtype", "bf16")
+
+
+@pytest.mark.browser
+def test_dsa_headline_figures_at_128k(page):
+    """The issue's figures, as the model gives them: 13.4x fewer multiply-adds than dense at 128K and the
+    indexer ~79% of what remains (context-dependent terms); break-even ~2,180 tokens in multiply-adds."""
+    choose_model(page, "deepseek-v3.2")
+    set_control(page, "dtype", "bf16")
+    set_control(page, "context", 131072)
+    s = read_dsa(page)
+    want = cost.dsa_decode_summary(MLAConfig.preset("deepseek-v3.2"), 131072)["core"]
+    # the issue's ~13.4x and ~79%: 13.35x and 79.1% here (scoring counts H_I(d_I+1) per key; without
+    # the weight's +1 it would be 13.43x and 79.0%)
+    assert abs(want["ratio"] - 13.4) < 0.06 and abs(want["indexer_share"] - 0.79) < 0.005
+    assert s["ratio_text"] == f"{want['ratio']:.2f}×" == "13.35×"
+    assert s["share_text"] == f"{want['indexer_share']:.1%}" == "79.1%"
+    assert s["breakeven_text"] == "2,177 tokens" and abs(float(s["breakeven"]) - 2180) < 5
+    assert round(float(s["breakeven_bytes_fp8"])) == 2313 and round(float(s["breakeven_bytes"])) == 2633
+
+
+@pytest.mark.browser
+def test_dsa_panel_for_custom_widths(page):
+    set_control(page, "dtype", "bf16")
+    set_control(page, "counting", "causal")
+    for name in SPARSE_CUSTOM:
+        choose_model(page, name)
+        cfg = preset_or_custom(name)
+        for context in (3, cfg.index_topk, cfg.index_topk + 1, 40, 5000):
+            set_control(page, "context", context)
+            check_dsa_panel(read_dsa(page), cfg, context, "causal", "bf16")
+    s = read_dsa(page)  # heavy-indexer: scoring a key costs more than attending to it
+    assert s["breakeven"] == "none" and s["breakeven_text"] == "never"
+    set_control(page, "custom-index_head_dim", 4)  # not wider than the rope dims
+    assert "index_head_dim must be > qk_rope_head_dim (4), got 4" in read(page)["error"]
+    set_control(page, "custom-index_head_dim", 130)
+    set_control(page, "custom-q_lora_rank", 0)
+    assert "q_lora_rank is 0" in read(page)["error"]
+    set_control(page, "custom-q_lora_rank", 8)
+    set_control(page, "dsa-new", 0)
+    assert "new tokens (DSA terms) must be" in read(page)["error"]
+    set_control(page, "dsa-new", 1)
+    set_control(page, "custom-index_topk", 0)  # top-k 0: dense MLA, the panel steps aside
+    s = read_dsa(page)
+    assert s["error"] == "" and not s["shown"]
+    assert not page.find_element("id", "dsa").is_displayed()
+
+
+@pytest.mark.browser
+def test_dsa_panel_hidden_for_dense_models(page):
+    set_control(page, "counting", "causal")
+    set_control(page, "context", 131072)
+    choose_model(page, "glm-5")
+    assert page.find_element("id", "dsa").is_displayed()
+    for name in [n for n in PRESETS if not MLAConfig.preset(n).is_sparse]:
+        choose_model(page, name)
+        assert not read_dsa(page)["shown"], name
+        assert not page.find_element("id", "dsa").is_displayed(), name
+        s = read(page)
+        want = cost.crossover(MLAConfig.preset(name), 131072, "causal").exact
+        assert_tokens(name, s["exact"], s["exact_text"], want)  # the rest of the page carries on
+
+
+def test_dsa_figures_are_not_in_the_file():
+    html = render_explorer()
+    for figure in ("2177", "2,177", "13.35", "79.1", "2633", "2,633", "2313", "11.3 GB"):
+        assert figure not in html, figure
 
 
 def test_ci_installs_chromium():

@@ -6,8 +6,9 @@ const SVGNS = "http://www.w3.org/2000/svg";
 const CHART = { width: 720, height: 400, left: 70, right: 20, top: 20, bottom: 50 };
 const XCHART = { width: 720, height: 320, left: 70, right: 20, top: 20, bottom: 50 };
 const NEW_MAX = INPUTS.new_range[1];
-const ALL_FIELDS = [...FIELDS, "hidden_size", "q_lora_rank"];
-const VIEW_KEYS = ["model", "context", "counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype"];
+const INDEX_FIELDS = ["index_n_heads", "index_head_dim", "index_topk"]; // 0: dense MLA (no indexer)
+const ALL_FIELDS = [...FIELDS, "hidden_size", "q_lora_rank", ...INDEX_FIELDS];
+const VIEW_KEYS = ["model", "context", "counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new"];
 let VIEW = null; // the last valid state, for the hover readouts
 
 function svg(tag, attrs, parent) {
@@ -44,11 +45,12 @@ function readState() {
   const w = {};
   for (const f of ALL_FIELDS) {
     w[f] = Number($("custom-" + f).value);
-    const low = f === "q_lora_rank" ? 0 : 1;
+    const low = f === "q_lora_rank" || INDEX_FIELDS.includes(f) ? 0 : 1;
     if (!Number.isInteger(w[f]) || w[f] < low) errors.push(`${f} must be an integer >= ${low}, got "${$("custom-" + f).value}"`);
   }
   if (w.q_lora_rank === 0) w.q_lora_rank = null;
   if (w.qk_rope_head_dim % 2) errors.push(`qk_rope_head_dim must be even, got ${w.qk_rope_head_dim}`);
+  errors.push(...indexerErrors(w));
   const context = Number($("context").value);
   const [lo, hi] = INPUTS.context_range;
   if ($("context").value.trim() === "" || !Number.isInteger(context) || context < lo || context > hi) {
@@ -57,14 +59,31 @@ function readState() {
   const groups = parseGroups($("gqa-groups").value);
   if (groups === null) errors.push(`GQA groups must be comma-separated positive integers, got "${$("gqa-groups").value}"`);
   const machine = $("machine").value === "none" ? null : INPUTS.machines[$("machine").value];
-  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value, machine };
+  const newTokens = Number($("dsa-new").value);
+  if (isSparse(w) && (!Number.isInteger(newTokens) || newTokens < 1 || newTokens > NEW_MAX)) {
+    errors.push(`new tokens (DSA terms) must be a whole number from 1 to ${groupDigits(NEW_MAX)}, got "${$("dsa-new").value}"`);
+  }
+  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value, machine, newTokens };
   return { state, errors };
+}
+
+// MLAConfig's indexer checks; index_topk 0 stands for none (dense MLA)
+function indexerErrors(w) {
+  if (w.index_topk === 0) {
+    for (const f of INDEX_FIELDS) w[f] = null;
+    return [];
+  }
+  const errors = [];
+  for (const f of INDEX_FIELDS.slice(0, 2)) if (w[f] === 0) errors.push(`${f} must be >= 1 when index_topk is set, got 0`);
+  if (w.q_lora_rank === null) errors.push("index_topk is set but q_lora_rank is 0 (none): indexer queries read the query latent");
+  if (w.index_head_dim <= w.qk_rope_head_dim) errors.push(`index_head_dim must be > qk_rope_head_dim (${w.qk_rope_head_dim}), got ${w.index_head_dim}`);
+  return errors;
 }
 
 function update() {
   const { state, errors } = readState();
   $("error").textContent = errors.join("; ");
-  for (const id of ["chart", "xchart", "cache-table"]) $(id).classList.toggle("stale", errors.length > 0);
+  for (const id of ["chart", "xchart", "cache-table", "dsa-decode", "dsa-terms", "dsa-chart"]) $(id).classList.toggle("stale", errors.length > 0);
   if (errors.length) return;
   $("counting-label").textContent = state.counting;
   const exact = crossover(state.w, state.context, state.counting);
@@ -79,6 +98,7 @@ function update() {
   drawCache(state);
   drawChart(state, exact, roof, bench);
   drawCrossoverChart(state, bench);
+  drawDsa(state, state.newTokens);
   VIEW = { state, bench };
   saveView();
 }
@@ -441,7 +461,7 @@ function init() {
     $("context").value = Math.round(2 ** Number($("context-slider").value));
     update();
   });
-  for (const id of ["counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype"]) {
+  for (const id of ["counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new"]) {
     $(id).addEventListener("input", update);
     $(id).addEventListener("change", update);
   }

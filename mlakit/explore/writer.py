@@ -11,7 +11,7 @@ from importlib import resources
 
 from mlakit.config import PRESETS, MLAConfig
 from mlakit.cost import DEFAULT_COUNTING, DEFAULT_GQA_GROUPS, MACHINES, load_results, validate_results
-from mlakit.cost.cache_size import QUANT_TILE, ROPE_BYTES, SCALE_BYTES, VALUE_BYTES
+from mlakit.cost.cache_size import INDEX_TILE, QUANT_TILE, ROPE_BYTES, SCALE_BYTES, VALUE_BYTES
 
 WIDTHS = (
     "num_heads",
@@ -22,11 +22,19 @@ WIDTHS = (
     "num_layers",
     "hidden_size",
     "q_lora_rank",
+    "index_n_heads",  # the DSA indexer (None: dense MLA)
+    "index_head_dim",
+    "index_topk",
 )
 CONTEXT_RANGE = (1, 1 << 20)
 NEW_RANGE = (1, 16384)
 START = {"model": "deepseek-v3", "context": 4096, "counting": DEFAULT_COUNTING, "machine": "none"}
-SCRIPTS = ("model.js", "ui.js")  # model.js mirrors mlakit.cost; ui.js draws
+SCRIPTS = (
+    "model.js",
+    "sparse.js",
+    "dsa.js",
+    "ui.js",
+)  # model.js, sparse.js mirror mlakit.cost; the rest draw
 BENCH_KEYS = ("schema", "model", "dtype", "machine", "rows")  # what the page reads of a results file
 
 
@@ -72,6 +80,7 @@ def explorer_inputs(bench: dict | None = None) -> dict:
             "quant_tile": dict(QUANT_TILE),
             "scale_bytes": SCALE_BYTES,
             "rope_bytes": ROPE_BYTES,
+            "index_tile": INDEX_TILE,
         },
         "bench": bench,
     }
