@@ -2,7 +2,8 @@
 
 1. The tiny shape (decode, batch 4, 1 new token, hidden 64 / 2 heads / latent 16, 64 cached,
    mode absorb): aten ops and wall time per layer call, the one-layer call (plans, runs and commits
-   inside) vs a planned layer call, eager and compiled, for both caches.
+   inside) vs a planned layer call, eager and compiled (under no_grad), and eager under grad mode,
+   for both caches.
 2. DeepSeek-V3 widths in bf16, a 4-layer stack, batch 8, 4K cached: time per decode step, one plan
    for the stack vs per-layer one-layer calls (`--quick`: 2 layers, batch 2, 1K cached).
 
@@ -108,6 +109,8 @@ def tiny_rows(kind: str, reps: int) -> list[dict]:
         compiled = torch.compile(lambda x, p: layer(x, p), fullgraph=True)
         # a TorchDispatchMode cannot run around a compiled frame: wall time only
         rows.append(measure(kind, "planned, compiled", lambda: compiled(h, plan), reps, count=False))
+    with torch.enable_grad():  # how the table was measured: autograd records the call
+        rows.append(measure(kind, "planned, grad mode", lambda: layer(h, plan), reps))
     return rows
 
 
@@ -187,10 +190,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = tiny_rows("contiguous", args.reps) + tiny_rows("paged", args.reps)
-    print(f"{'cache':<11} {'call':<18} {'aten ops':>8} {'min ms':>8} {'med ms':>8}")
+    print(f"{'cache':<11} {'call':<19} {'aten ops':>8} {'min ms':>8} {'med ms':>8}")
     for r in rows:
         ops = "-" if r["aten_ops"] is None else r["aten_ops"]
-        print(f"{r['cache']:<11} {r['call']:<18} {ops:>8} {r['ms']:>8.3f} {r['median_ms']:>8.3f}")
+        print(f"{r['cache']:<11} {r['call']:<19} {ops:>8} {r['ms']:>8.3f} {r['median_ms']:>8.3f}")
         if args.ops and r["aten_ops"] is not None:
             top = Counter(r["ops"]).most_common(args.ops)
             print("    " + ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in top))
