@@ -318,7 +318,7 @@ class MLAAttention(nn.Module):
         x = hidden_states.reshape(batch, -1)  # [B, D]: one new token per row (a view when it can be)
         # autograd records the call under grad mode (weights that require grad): `out=` is not
         # differentiable, so the query side then runs plain matmuls and a transpose or two more
-        record = torch.is_grad_enabled()
+        record = torch.is_grad_enabled() and (hidden_states.requires_grad or self._any_requires_grad())
         ws = self._lean_workspace(batch)
         with torch.no_grad():
             # the keys reach attention through the cache (the general path reads them from there
@@ -364,6 +364,23 @@ class MLAAttention(nn.Module):
             plan.backend = "torch" if plan.backend in (None, "torch") else "mixed"
         return out.view(batch, 1, -1)
 
+    def _any_requires_grad(self) -> bool:
+        """Whether a parameter of the query side requires grad (what makes autograd record the call)."""
+        names = _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
+        modules = self._modules
+        mods = [modules[n] for n in names] + (
+            [] if self.cfg.q_lora_rank is None else [modules["q_a_layernorm"]]
+        )
+        return any(p is not None and p.requires_grad for m in mods for p in m._parameters.values())
+
+    def __getstate__(self) -> dict:
+        # kept weight views and workspaces share memory with the parameters only in this process
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        for name in ("_lean_views", "_lean_ws"):
+            state.pop(name, None)
+        return state
+
     def _lean_weights(self) -> dict[str, torch.Tensor] | None:
         """Views of the weights the short decode form multiplies by (transposed, split per head), made
         once and kept while every weight is the same tensor: `.data` writes, `load_state_dict` into new
@@ -390,8 +407,11 @@ class MLAAttention(nn.Module):
         # made under grad mode: a view keeps its link to the weight (views save no tensors, so one
         # view node serves any number of backward passes); under no_grad the link is simply unused
         with torch.enable_grad():
+            # slices, not split: autograd refuses a kept multi-output view once an optimizer step has
+            # changed its base in place
             per_head = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
-            w_uk, w_uv = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            dn = cfg.qk_nope_head_dim
+            w_uk, w_uv = per_head[:, :dn], per_head[:, dn:]
             views = {"uk": w_uk, "uv": w_uv, "uv_t": w_uv.transpose(1, 2)}
             for name in names:
                 if name != "kv_b_proj":

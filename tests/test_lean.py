@@ -345,6 +345,13 @@ def test_under_grad_mode_a_backward_must_come_before_the_cache_is_written_again(
     step(layers, cache, x[:, 6:7] * 0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         first.sum().backward()
+    if kind == "contiguous":  # a user's write through the public views is seen too
+        cache.lengths[:] = 6
+        first, _ = step(layers, cache, x[:, 6:7])
+        with torch.no_grad():
+            cache.c_kv[0, :2] = 7.0
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            first.sum().backward()
     if kind == "paged":
         for layer in layers:
             layer.short_decode = False
@@ -352,3 +359,65 @@ def test_under_grad_mode_a_backward_must_come_before_the_cache_is_written_again(
         step(layers, cache, x[:, 6:7] * 0)
         first.sum().backward()  # the general path gathered copies
         assert lean is not None and layers[0].short_decode is False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_optimizer_loop_over_planned_decode_steps_follows_the_general_path(kind):
+    """step → backward → Adam step, four times: the kept weight views survive in-place updates."""
+    trajectories = []
+    for short in (True, False):
+        layers = stack()
+        for layer in layers:
+            layer.short_decode = short
+        opt = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=1e-2)
+        cache = make_cache(kind)
+        x = randn(3, 9, CFG.hidden_size, seed=14)
+        with torch.no_grad():
+            step(layers, cache, x[:, :5])
+        for t in range(5, 9):
+            opt.zero_grad()
+            out, _ = step(layers, cache, x[:, t : t + 1])
+            (out**2).mean().backward()
+            opt.step()
+        trajectories.append([p.detach().clone() for layer in layers for p in layer.parameters()])
+    for a, b in zip(*trajectories, strict=True):
+        assert_close("parameters after 4 Adam steps", a, b, rtol=1e-5)
+
+
+def test_frozen_weights_under_grad_mode_record_nothing_and_share_one_paged_workspace():
+    layers = stack()
+    for layer in layers:
+        layer.requires_grad_(False)
+    cache = make_cache("paged")
+    x = randn(3, 6, CFG.hidden_size, seed=15)
+    with torch.no_grad():
+        step(layers, cache, x[:, :5])
+    out, lean = step(layers, cache, x[:, 5:])
+    assert lean is not None and not out.requires_grad
+    lean_entries = [entry for key, entry in cache._views.items() if key[0] == "lean"]
+    workspaces = {id(ws) for entry in lean_entries for ws, _, _ in entry}
+    assert len(workspaces) == 1, "one gather workspace for every layer when nothing is recorded"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_cache_and_layers_copied_after_lean_calls_keep_decoding_exactly(kind, how):
+    import copy
+    import pickle
+
+    layers = stack()
+    cache = make_cache(kind)
+    x = randn(3, 8, CFG.hidden_size, seed=16)
+    with torch.no_grad():
+        step(layers, cache, x[:, :5])
+        step(layers, cache, x[:, 5:6])  # kept views and workspaces exist now
+        dup = (
+            pickle.loads(pickle.dumps((layers, cache))) if how == "pickle" else copy.deepcopy((layers, cache))
+        )
+        for t in (6, 7):
+            want, _ = step(layers, cache, x[:, t : t + 1])
+            got, lean = step(dup[0], dup[1], x[:, t : t + 1])
+            assert lean is not None
+            assert torch.equal(got, want), f"{how} step {t}"
+    for a, b in zip(cache.buffers(), dup[1].buffers(), strict=True):
+        assert torch.equal(a, b)

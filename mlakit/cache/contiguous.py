@@ -68,7 +68,29 @@ class LatentCache(StepCache):
         self._dirty = [0] * batch_size
         # views handed to the short decode form, kept while slots and bucket stay (see lean_context)
         self._lean_views: dict = {}
+        self._make_aliases()
         self._init_step(cfg, device)
+
+    def _make_aliases(self) -> None:
+        """Per layer, aliases of the row buffers with a version counter of their own: every eager read
+        and write goes through them, so autograd (a planned call under grad mode saves context views
+        for its backward) sees each write to a layer's rows, and only that layer's."""
+        self._aliases = [
+            tuple(None if t is None else _alias(t[layer]) for t in (self._c_rows, self._k_rows, self._i_rows))
+            for layer in range(self.num_layers)
+        ]
+
+    def __getstate__(self) -> dict:
+        # aliases and kept views share memory with the buffers only in this process: made again on load
+        state = self.__dict__.copy()
+        for name in ("_aliases", "_lean_views"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lean_views = {}
+        self._make_aliases()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,7 +108,8 @@ class LatentCache(StepCache):
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [batch, max_seq_len, L], k_pe [batch, max_seq_len, dr]) of one layer: views."""
         shape = (self.batch_size, self.max_seq_len)
-        return self._c_rows[layer, :-1].view(*shape, -1), self._k_rows[layer, :-1].view(*shape, -1)
+        c_rows, k_rows = self._layer_rows(layer)
+        return c_rows[:-1].view(*shape, -1), k_rows[:-1].view(*shape, -1)
 
     @property
     def c_kv(self) -> torch.Tensor:
@@ -144,15 +167,17 @@ class LatentCache(StepCache):
             if self._dirty[slot] > start:
                 first = slot * self.max_seq_len
                 with torch.no_grad():
-                    for t in self._row_tensors():
-                        t[:, first + start : first + self._dirty[slot]].zero_()
+                    for rows_of_layer in self._aliases:
+                        for t in rows_of_layer:
+                            if t is not None:
+                                t[first + start : first + self._dirty[slot]].zero_()
             real = [slot * self.max_seq_len + start + i for i in range(n)]
             rows.append(real + [spare] * (seq_len - n))
             self.written[slot] = self._dirty[slot] = start + n
         return torch.tensor(rows, dtype=torch.long)
 
-    def _row_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self._c_rows, self._k_rows, self._i_rows) if t is not None]
+    def _index_rows(self, layer: int) -> torch.Tensor:
+        return self._i_rows[layer] if torch.compiler.is_compiling() else self._aliases[layer][2]
 
     def lean_ready(self, group) -> bool:
         """Whether the short decode form can read this row group's context as views (consecutive slots)."""
@@ -195,23 +220,17 @@ class LatentCache(StepCache):
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
         rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
-        if torch.compiler.is_compiling():
-            c_rows, k_rows = self._c_rows[layer], self._k_rows[layer]
-        else:  # views made once (two select ops a call saved); a compiled graph takes the buffers
-            c_rows, k_rows = self._layer_rows(layer)
+        c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             c_rows.index_put_(rows, c_kv)
             k_rows.index_put_(rows, k_pe)
 
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c rows [rows, L], k rows [rows, dr]) of one layer, made once: aliases of the buffers with a
-        version counter of their own per layer, so that autograd (a planned call under grad mode saves
-        context views for its backward) sees a write to this layer's rows and not the other layers'."""
-        views = self.__dict__.get("_rows_by_layer")
-        if views is None or views[0] != torch.is_inference_mode_enabled():
-            rows = [(_alias(c), _alias(k)) for c, k in zip(self._c_rows, self._k_rows, strict=True)]
-            views = self._rows_by_layer = (torch.is_inference_mode_enabled(), rows)
-        return views[1][layer]
+        """(c rows [rows, L], k rows [rows, dr]) of one layer: its aliases (see `_make_aliases`); a
+        compiled graph takes the buffers themselves."""
+        if torch.compiler.is_compiling():
+            return self._c_rows[layer], self._k_rows[layer]
+        return self._aliases[layer][0], self._aliases[layer][1]
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
@@ -220,10 +239,7 @@ class LatentCache(StepCache):
             # consecutive slots: their rows straight from the layer's buffer (4 view ops per tensor)
             s0, r, t = group.slot_start, group.kv_lens.shape[0], self.max_seq_len
             rows = slice(s0 * t, (s0 + r) * t)
-            if torch.compiler.is_compiling():
-                c_rows, k_rows = self._c_rows[layer], self._k_rows[layer]
-            else:  # the layer's own version counter: autograd sees this layer's writes only
-                c_rows, k_rows = self._layer_rows(layer)
+            c_rows, k_rows = self._layer_rows(layer)  # the layer's own version counter (eager)
             c = c_rows[rows].view(r, t, -1)
             k = k_rows[rows].view(r, t, -1)
             return (c, k) if key_len == t else (c[:, :key_len], k[:, :key_len])
@@ -234,11 +250,11 @@ class LatentCache(StepCache):
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         rows = plan.write_rows.reshape(-1)
         with torch.no_grad():
-            self._i_rows[layer].index_copy_(0, rows, k_idx.detach().reshape(rows.numel(), -1))
+            self._index_rows(layer).index_copy_(0, rows, k_idx.detach().reshape(rows.numel(), -1))
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I]: a view when its slots are consecutive."""
-        keys = self._i_rows[layer, :-1].view(self.batch_size, self.max_seq_len, -1)
+        keys = self._index_rows(layer)[:-1].view(self.batch_size, self.max_seq_len, -1)
         if group.slot_start is not None:
             s0, r = group.slot_start, group.kv_lens.shape[0]
             return keys[s0 : s0 + r, :key_len]

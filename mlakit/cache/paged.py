@@ -97,6 +97,12 @@ class PagedLatentCache(StepCache):
         self.last_slot_mapping: torch.Tensor | None = None
         self._init_step(cfg, device)
 
+    def __getstate__(self) -> dict:
+        # kept views share memory with the store only in this process: made again after loading
+        state = self.__dict__.copy()
+        state["_views"] = {}
+        return state
+
     @property
     def _rows(self) -> torch.Tensor:
         """Every layer's rows as bytes [num_layers, rows, bytes_per_token] (a view of the store)."""
