@@ -224,6 +224,7 @@ class MLAAttention(nn.Module):
                 profile=self.profile,
                 seq_len=new,
                 batch=batch,
+                bucket=False,  # one layer, eager: exactly the keys there are (no masked work)
             )
             try:
                 out = self._compute(hidden_states, plan, self.layer_idx)

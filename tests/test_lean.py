@@ -421,3 +421,21 @@ def test_a_cache_and_layers_copied_after_lean_calls_keep_decoding_exactly(kind, 
             assert torch.equal(got, want), f"{how} step {t}"
     for a, b in zip(cache.buffers(), dup[1].buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bucket_false_attends_over_exactly_the_longest_context(kind):
+    layers = stack()
+    cache, ref = make_cache(kind), make_cache(kind)
+    x = randn(3, 19, CFG.hidden_size, seed=17)
+    with torch.no_grad():
+        for c in (cache, ref):
+            step(layers, c, x[:, :17])
+        exact = cache.plan(1, mode="absorb", bucket=False)
+        assert exact.key_len == 18 and exact.lean is not None
+        bucketed = ref.plan(1, mode="absorb")
+        assert bucketed.key_len == 32
+        a, b = x[:, 17:18], x[:, 17:18]
+        for layer in layers:
+            a, b = layer(a, exact), layer(b, bucketed)
+    assert_close("exact keys vs the bucket", a, b, rtol=1e-5)

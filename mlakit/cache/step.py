@@ -31,13 +31,16 @@ class StepCache:
         profile=None,
         seq_len: int | None = None,
         batch: int | None = None,
+        bucket: bool = True,
     ) -> StepPlan:
         """Check one step and reserve its rows; every refusal (ValueError) comes before any change.
 
         `new_tokens`: one count for every row or one per row; `slots`: the cache slot of each row
         (default: row b -> slot b); `seq_len`: the padded width S of the hidden states (default: the
         largest count); `batch`: the rows when neither slots nor per-row counts say it (default: every
-        slot); `mode`: "auto" (the crossover, or `profile` when it matches) or a path for every row.
+        slot); `mode`: "auto" (the crossover, or `profile` when it matches) or a path for every row;
+        `bucket=False`: attend over exactly the longest context instead of its key bucket (an eager
+        one-off step: no masked work, but shapes change every step, so no graph can be reused).
         """
         check_mode(mode)
         rows = self._rows_for(new_tokens, slots, batch)
@@ -61,7 +64,7 @@ class StepCache:
             mode,
             profile,
             write_rows,
-            self._bucket,
+            self._bucket if bucket else _exact_keys,
             self._rows_of(slot_ids),
             self._table_of(slot_ids),
         )
@@ -136,6 +139,10 @@ class StepCache:
                 raise ValueError(f"{name} has dtype {t.dtype}, cache holds {self.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, cache is on {self.device}")
+
+
+def _exact_keys(keys: int) -> int:
+    return keys
 
 
 def row_counts(new_tokens: int | torch.Tensor, rows: int) -> torch.Tensor:
