@@ -365,19 +365,18 @@ class MLAAttention(nn.Module):
             plan.backend = "torch" if plan.backend in (None, "torch") else "mixed"
         return out.view(batch, 1, -1)
 
+    def _lean_projections(self) -> tuple[str, ...]:
+        return _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
+
     def _any_requires_grad(self) -> bool:
         """Whether a parameter of the query side requires grad (what makes autograd record the call)."""
-        names = _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
+        names = self._lean_projections() + (() if self.cfg.q_lora_rank is None else ("q_a_layernorm",))
         modules = self._modules
-        mods = [modules[n] for n in names] + (
-            [] if self.cfg.q_lora_rank is None else [modules["q_a_layernorm"]]
-        )
-        return any(p is not None and p.requires_grad for m in mods for p in m._parameters.values())
+        return any(p is not None and p.requires_grad for n in names for p in modules[n]._parameters.values())
 
     def __getstate__(self) -> dict:
         # kept weight views and workspaces share memory with the parameters only in this process
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
+        state = dict(super().__getstate__())
         for name in ("_lean_views", "_lean_ws"):
             state.pop(name, None)
         return state
@@ -387,7 +386,7 @@ class MLAAttention(nn.Module):
         once and kept while every weight is the same tensor: `.data` writes, `load_state_dict` into new
         storage or `.to()` give new data pointers, and the views are made again. None when a projection
         is not a plain mlakit Linear (replaced, wrapped, hooked): its module must run."""
-        names = _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
+        names = self._lean_projections()
         modules = self._modules
         key = [torch.is_inference_mode_enabled()]
         for name in names:

@@ -72,6 +72,19 @@ def step(layers, cache, h, *, general: bool = False, slots=None):
     return h, lean
 
 
+def lean_and_general(kind, dtype, x, prefill: int):
+    """Two caches given the same `prefill` tokens of x, then one decode step each: (lean output, its
+    lean form, general-path output, the layers)."""
+    layers = stack(dtype=dtype)
+    cache, general = make_cache(kind, dtype=dtype), make_cache(kind, dtype=dtype)
+    with torch.no_grad():
+        for c in (cache, general):
+            step(layers, c, x[:, :prefill])
+        got, lean = step(layers, cache, x[:, prefill : prefill + 1])
+        want, _ = step(layers, general, x[:, prefill : prefill + 1], general=True)
+    return got, lean, want, layers
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_lean_decode_equals_the_general_path_and_the_fp64_reference(kind):
     layers = stack()
@@ -95,14 +108,8 @@ def test_lean_decode_equals_the_general_path_and_the_fp64_reference(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_lean_decode_in_fp64_matches_the_reference_tightly(kind):
-    layers = stack(dtype=torch.float64)
-    cache, general = make_cache(kind, dtype=torch.float64), make_cache(kind, dtype=torch.float64)
     x = randn(3, 6, CFG.hidden_size, seed=2).double()
-    with torch.no_grad():
-        for c in (cache, general):
-            step(layers, c, x[:, :5])
-        got, lean = step(layers, cache, x[:, 5:])
-        want, _ = step(layers, general, x[:, 5:], general=True)
+    got, lean, want, layers = lean_and_general(kind, torch.float64, x, 5)
     assert lean is not None
     assert_close("fp64 lean vs general", got, want, rtol=1e-13)
     ref = x
@@ -312,14 +319,8 @@ def test_copy_from_refills_a_kept_plan_as_a_replayed_cuda_graph_would_use_it():
 def test_bf16_lean_form_where_bf16_matmuls_are_native(kind, monkeypatch):
     """What a GPU (or an AMX CPU) runs: bf16 storage and matmuls, rope in fp32, softmax of bf16 scores."""
     monkeypatch.setitem(common._CPU_FAST, torch.bfloat16, True)
-    layers = stack(dtype=torch.bfloat16)
-    cache, general = make_cache(kind, dtype=torch.bfloat16), make_cache(kind, dtype=torch.bfloat16)
     x = randn(3, 7, CFG.hidden_size, seed=10).bfloat16()
-    with torch.no_grad():
-        for c in (cache, general):
-            step(layers, c, x[:, :6])
-        got, lean = step(layers, cache, x[:, 6:])
-        want, _ = step(layers, general, x[:, 6:], general=True)
+    got, lean, want, layers = lean_and_general(kind, torch.bfloat16, x, 6)
     assert lean is not None and lean.bias.dtype == torch.bfloat16
     assert got.dtype == torch.bfloat16
     assert_close("bf16 lean vs general", got.float(), want.float(), rtol=2e-2)
