@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "cp_check",
     "bench",
     "calibrate",
+    "generate",
 )
 
 

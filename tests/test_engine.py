@@ -233,3 +233,32 @@ def test_page_pool_lru_and_hash_chain():
     pool.allocate()
     assert pool.allocate() == p and pool.lookup(a) == []  # evicted, least recently used
     pool.check()
+
+
+def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):
+    from mlakit.cli import main
+    from mlakit.engine.demo import demo_tokenizer
+
+    tok = demo_tokenizer()
+    tiny_model("deepseek-v3", vocab_size=129280).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="fp32", num_blocks=16, block_size=16, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate("Hello, my name is", sp, use_tqdm=False)
+    c = out.outputs[0]
+    assert out.prompt_token_ids == tok("Hello, my name is")["input_ids"]
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and len(c.text) > 6
+    for t, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert len(entry) <= 4 and entry[t] == max(entry.values()) and all(v <= 0 for v in entry.values())
+    stop = c.text[3:6]
+    (cut,) = llm.generate(
+        "Hello, my name is", SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False
+    )
+    assert cut.outputs[0].text == c.text[: c.text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    assert cut.num_cached_tokens == 0  # a 5-token prompt has no whole page
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "Hello, my name is", "--max-tokens", "12"]
+    assert main(argv + ["--dtype", "fp32", "--ignore-eos", "--cache-memory", "4MiB"]) == 0
+    assert capsys.readouterr().out == c.text + "\n"
+    assert main(argv + ["--top-p", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "mlakit generate: error: top_p must be in (0, 1], got 0.0"
