@@ -231,7 +231,8 @@ def throughput(res, llm_kw, n, mean, spread, out_len, skip_hf, device, dtype) ->
     del llm
     if not skip_hf:
         model = demo_model(dtype, device)
-        res["transformers"] = [hf_throughput(model, prompts, out_len, b) for b in (8, 32) if b <= n or b == 8]
+        batches = (8, 32) if n >= 32 else (8, n)  # --quick: 16 requests, batches of 8 and 16
+        res["transformers"] = [hf_throughput(model, prompts, out_len, b) for b in batches]
         for r in res["transformers"]:
             print("transformers generate", json.dumps(r))
         res["transformers_cb"] = hf_continuous(model, prompts[:4], 4)
