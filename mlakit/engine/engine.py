@@ -82,6 +82,9 @@ class LLMEngine:
         )
         self.kv = KVManager(self.cache, enable_prefix_caching)
         self.max_model_len = min(max_pos, blocks * block_size)
+        # key buckets repeat shapes for captured graphs (CUDA); eager CPU steps attend over exactly the
+        # longest context (no masked work)
+        self.bucket = self.runner.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos_token_id = _eos(self.tokenizer, config)
         self.generator = torch.Generator(self.runner.device).manual_seed(seed)
@@ -197,7 +200,7 @@ class LLMEngine:
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
         t0 = time.perf_counter()
-        plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width)
+        plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width, bucket=self.bucket)
         t1 = time.perf_counter()
         try:
             packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
