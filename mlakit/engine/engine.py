@@ -21,7 +21,7 @@ from mlakit.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
 from mlakit.engine.runner import ModelRunner
 from mlakit.engine.sampler import sample
-from mlakit.engine.scheduler import schedule
+from mlakit.engine.scheduler import kind_of, schedule
 
 PENDING = "pending"  # a sibling of n > 1 waiting for the prompt to be computed once
 KEEP_FINISHED_IDS = 100_000
@@ -94,6 +94,7 @@ class LLMEngine:
         self.waiting: list[Sequence] = []
         self._changed: dict[str, Request] = {}
         self._arrivals = 0
+        self._last_kind = "mixed"
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         # host seconds spent per part of the step (the benchmark reads them)
         self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
@@ -175,7 +176,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run at most one plan; returns the requests that changed (finished ones once, last)."""
         t0 = time.perf_counter()
-        sched = schedule(self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        kind = kind_of(self.running, self.waiting, self._last_kind)
+        args = (self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        sched = schedule(*args, kind)
+        if not sched.seqs and kind == "prefill" and not sched.preempted:
+            kind = "decode"  # no prompt work fits this step: the decode rows run
+            sched = schedule(*args, kind)
+        self._last_kind = kind
         self.timings["schedule"] += time.perf_counter() - t0
         self.num_preemptions += len(sched.preempted)
         for seq in sched.admitted:

@@ -34,11 +34,28 @@ class Schedule:
         return chunk
 
 
-def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, max_seqs: int) -> Schedule:
-    """Pick this step's rows and chunks; admits and preempts through `kv`, updating both queues."""
+def kind_of(running: list[Sequence], waiting: list[Sequence], last: str) -> str:
+    """ "mixed" unless there are both decode rows and prompt work: then "decode" and "prefill" alternate
+    (a decode row beside a chunk of width S pays S padded queries: at 64 rows and chunks of 32, a
+    mixed rectangle computed ~40% real tokens)."""
+    decode = any(len(s.tokens) - s.computed == 1 for s in running)
+    prompt = bool(waiting) or any(len(s.tokens) - s.computed > 1 for s in running)
+    if decode and prompt:
+        return "decode" if last == "prefill" else "prefill"
+    return "mixed"
+
+
+def schedule(
+    running: list[Sequence], waiting: list[Sequence], kv, budget: int, max_seqs: int, kind: str = "mixed"
+) -> Schedule:
+    """Pick this step's rows and chunks; admits and preempts through `kv`, updating both queues.
+    `kind`: "mixed" (every row), "decode" (running rows with one token left only) or "prefill" (prompt
+    chunks only: running ones first, then waiting ones)."""
     out = Schedule()
     reserved = 0  # pages the rows scheduled so far will take at the plan
     by_need = sorted(running, key=lambda s: (len(s.tokens) - s.computed > 1, s.admitted))
+    if kind != "mixed":
+        by_need = [s for s in by_need if (len(s.tokens) - s.computed == 1) == (kind == "decode")]
     for seq in by_need:
         if seq not in running:
             continue  # preempted for an earlier row
@@ -54,8 +71,8 @@ def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, 
             reserved += kv.need(seq, chunk)
             out.seqs.append(seq)
             out.counts.append(chunk)
-    if out.preempted:
-        return out  # pages are short: admit nothing new this step
+    if out.preempted or kind == "decode":
+        return out  # pages are short (or a decode step): admit nothing new this step
     while waiting and len(running) < max_seqs:
         seq = waiting[0]
         pages, free_held = kv.probe(seq)
