@@ -1,10 +1,12 @@
-"""The scheduler: one function over two queues with one token budget (no prefill or decode phase).
+"""The scheduler: one function over two queues with one token budget.
 
 Running sequences first (those with one token left to compute, then unfinished prompt chunks), then
 waiting ones in arrival order. A step's hidden states are a rectangle (rows × the longest chunk), so the
 budget bounds rows × width: a long prompt is cut into chunks that fit beside the step's other rows.
 When pages run out for a running sequence, the most recently admitted running sequence is preempted
-(its pages freed; it is recomputed later). Tensor-free: `kv` is the engine's KVManager (or a fake).
+(its pages freed; it is recomputed later). While decode rows and prompt work are both pending, decode
+and prefill steps alternate (`kind_of`): padded queries made mixed rectangles mostly padding.
+Tensor-free: `kv` is the engine's KVManager (or a fake).
 """
 
 from __future__ import annotations
