@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +16,8 @@ from mlakit.cache.quant import token_layout
 from mlakit.engine import load
 from mlakit.engine.detok import Detokenizer, find_stop
 from mlakit.engine.kv import KVManager
-from mlakit.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from mlakit.engine.params import RequestOutput, SamplingParams
+from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
 from mlakit.engine.runner import ModelRunner
 from mlakit.engine.sampler import sample
@@ -25,20 +25,6 @@ from mlakit.engine.scheduler import kind_of, schedule
 
 PENDING = "pending"  # a sibling of n > 1 waiting for the prompt to be computed once
 KEEP_FINISHED_IDS = 100_000
-
-
-@dataclass
-class EngineStats:
-    """What a server exports as metrics (vLLM's names)."""
-
-    num_running: int  # requests with a completion in the running queue
-    num_waiting: int  # unfinished requests with none running
-    kv_cache_usage: float  # fraction of pages held by requests (pages only the prefix cache keeps: free)
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (each admission)
-    prefix_cache_hits: int  # of which found
-    prompt_tokens: int  # prompt tokens of admitted requests (first admission)
-    generation_tokens: int  # tokens sampled
-    num_preemptions: int
 
 
 class LLMEngine:
@@ -58,9 +44,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         seed: int = 0,
     ):
-        _check_args(
-            cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed
-        )
+        check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed)
         dtype = load.resolve_dtype(dtype, device)
         model, self.tokenizer = load.load_model(model, tokenizer, dtype, device)
         self.runner = ModelRunner(model)
@@ -86,7 +70,7 @@ class LLMEngine:
         # longest context (no masked work)
         self.bucket = self.runner.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.eos_token_id = _eos(self.tokenizer, config)
+        self.eos_token_id = eos_of(self.tokenizer, config)
         self.generator = torch.Generator(self.runner.device).manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.finished_ids: OrderedDict[str, None] = OrderedDict()
@@ -282,7 +266,7 @@ class LLMEngine:
         out = []
         for rid, req in self._changed.items():
             done = req.finished
-            out.append(_output(req, done))
+            out.append(output_of(req, done))
             if done:
                 del self.requests[rid]
                 self.finished_ids[rid] = None
@@ -311,41 +295,3 @@ class LLMEngine:
         seqs = [s for r in self.requests.values() for s in r.seqs]
         self.kv.check(seqs)
         self.kv.blocks.check()
-
-
-def _output(req: Request, done: bool) -> RequestOutput:
-    outs = [
-        CompletionOutput(
-            s.index,
-            s.text,
-            list(s.output_ids),
-            s.finish_reason,
-            None if s.logprobs is None else list(s.logprobs),
-            s.stop_reason,
-        )
-        for s in req.seqs
-    ]
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.num_cached_tokens, done)
-
-
-def _eos(tokenizer, config) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
-
-
-def _check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, prefix, seed) -> None:
-    if cache_dtype not in load.CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be None, 'fp8' or 'int8', got {cache_dtype!r}")
-    for name, v in (
-        ("block_size", block_size),
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if not isinstance(prefix, bool):
-        raise ValueError(f"enable_prefix_caching must be a boolean, got {prefix!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
