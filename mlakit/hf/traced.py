@@ -10,8 +10,6 @@ from the static sizes when the graph is traced, not per call.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mlakit.config import MLAConfig
@@ -26,12 +24,22 @@ def is_traced() -> bool:
     return torch.compiler.is_compiling()
 
 
-@functools.cache
+# memo of `_crossover` (a dict, not functools.cache: dynamo warns on every lru_cache wrapper it meets)
+_CROSSOVERS: dict[tuple, float] = {}
+
+
 @torch.compiler.assume_constant_result
 def _crossover(widths: tuple[int, ...], cached: int | None) -> float:
     """New tokens from which materialize wins (inf: never); `cached` None: the long-context limit.
 
     Evaluated once per traced shape (dynamo calls it instead of tracing the cost model)."""
+    key = (widths, cached)
+    if key not in _CROSSOVERS:
+        _CROSSOVERS[key] = _crossover_of(widths, cached)
+    return _CROSSOVERS[key]
+
+
+def _crossover_of(widths: tuple[int, ...], cached: int | None) -> float:
     heads, latent, nope, rope, value = widths
     cfg = MLAConfig(
         hidden_size=heads,
