@@ -78,9 +78,12 @@ def _masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores + mask.to(scores.dtype)
 
 
-def absorb_masked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torch.Tensor) -> torch.Tensor:
+def absorb_masked(
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torch.Tensor, need_weights: bool = False
+):
     """Absorb over all T keys: q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,T,L], k_pe [B,T,dr],
-    mask [b,1,S,T] → out [B,S,H,dv]."""
+    mask [b,1,S,T] → out [B,S,H,dv]; with need_weights, (out, probs [B,H,S,T] in q's dtype: the
+    weights transformers' eager attention returns)."""
     batch, new, heads, _ = q_nope.shape
     keys = c_kv.shape[1]
     cd = compute_dtype(c_kv.dtype, c_kv.device)
@@ -92,18 +95,19 @@ def absorb_masked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torc
     scores = scores.float().view(batch, new, heads, keys)
     probs, _ = softmax_lse(_masked(scores, mask[:, 0, :, None, :]))  # [B, S, H, T]
     o_lat = torch.bmm(probs.view(batch, new * heads, keys).to(cd), c)  # [B, S·H, L]
-    return unfold_values(o_lat.view(batch, new, heads, -1), w_uv.to(cd)).to(q_nope.dtype)
+    out = unfold_values(o_lat.view(batch, new, heads, -1), w_uv.to(cd)).to(q_nope.dtype)
+    return (out, probs.transpose(1, 2).to(q_nope.dtype)) if need_weights else out
 
 
 def materialize_masked(
-    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torch.Tensor
-) -> torch.Tensor:
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask: torch.Tensor, need_weights: bool = False
+):
     """Materialize over all T keys (K/V expanded at once, as transformers' own attention holds them);
-    same shapes as `absorb_masked`."""
+    same shapes and return as `absorb_masked`."""
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     k, v = expand(c_kv.to(cd), k_pe.to(cd), w_uk.to(cd), w_uv.to(cd))  # [B,H,T,dn+dr], [B,H,T,dv]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [B, H, S, T]
     probs, _ = softmax_lse(_masked(scores, mask))
-    out = torch.matmul(probs.to(cd), v)  # [B, H, S, dv]
-    return out.transpose(1, 2).to(q_nope.dtype)
+    out = torch.matmul(probs.to(cd), v).transpose(1, 2).to(q_nope.dtype)  # [B, S, H, dv]
+    return (out, probs.to(q_nope.dtype)) if need_weights else out
