@@ -81,6 +81,7 @@ class PatchedMLAAttention(nn.Module):
         self.train(original.training)
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
+        record_weights(self)
 
     @classmethod
     def family_of(cls, original: nn.Module) -> tuple[str, str]:
@@ -252,6 +253,17 @@ class PatchedMLAAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, mode={self.mode!r}, original={type(self.original).__name__}"
+
+
+def record_weights(module: nn.Module) -> None:
+    """transformers records `output_attentions` with a forward hook on every module of the attention
+    class (`_can_record_outputs["attentions"]`: output 1); a patched layer is not of that class, so it
+    carries the same hook itself (inactive unless a forward asks for the weights)."""
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError:  # a transformers without output capturing records nothing this way
+        return
+    install_output_capuring_hook(module, "attentions", 1)
 
 
 def cached_tokens(cache, layer_idx: int, new: int) -> tuple[int, int]:
