@@ -18,6 +18,7 @@ from mlakit.cache.quant import (
     hadamard,
     index_groups,
     index_rotated,
+    put_fields,
     quantize,
     token_layout,
 )
@@ -295,10 +296,8 @@ class PagedLatentCache(StepCache):
             target = plan.write_rows.reshape(-1)
             latent = c_kv.detach().reshape(target.numel(), -1)
             values, scale = quantize(latent, lay.quant)
-            # fp8 has no index_copy kernel: its bytes are copied as bytes
-            field_view(rows, lay.latent).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-            field_view(rows, lay.scale).index_copy_(0, target, scale)
-            field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
+            rope = k_pe.detach().to(lay.rope.dtype)
+            put_fields(rows, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
@@ -313,8 +312,7 @@ class PagedLatentCache(StepCache):
                     keys = hadamard(keys)
                 groups = index_groups(keys.shape[-1], lay.quant)
                 values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
-                field_view(rows, lay.index).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-                field_view(rows, lay.index_scale).index_copy_(0, target, scale)
+                put_fields(rows, target, [(lay.index, values), (lay.index_scale, scale)])
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
