@@ -286,6 +286,9 @@ class PagedLatentCache(StepCache):
         """Write one layer's new tokens at the plan's rows; quantizes the latent."""
         lay = self.layout
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, plan.write_rows.reshape(-1), [(lay.latent, c_kv), (lay.rope, k_pe)])
+                return
             if lay.quant is None:
                 # [B, S] rows index the pool directly: no reshape of the rows or the values
                 latent, rope = self._fields(layer)
@@ -299,13 +302,29 @@ class PagedLatentCache(StepCache):
             rope = k_pe.detach().to(lay.rope.dtype)
             put_fields(rows, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
 
+    def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
+        """Fields of token rows `target` [N] written by one `index_copy_` of whole rows: under
+        torch.compile, an `index_put_` into a column view of the pool makes inductor copy the whole
+        pool back at every write (issue 23)."""
+        pool = self._store[layer]
+        if pool.dtype == torch.uint8:
+            put_fields(pool, target, fields)
+            return
+        new = pool.index_select(0, target)  # [N, width]
+        for field, values in fields:
+            start = field.offset // field.dtype.itemsize
+            new[:, start : start + field.count] = values.reshape(target.numel(), -1)
+        pool.index_copy_(0, target, new)
+
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         target = plan.write_rows.reshape(-1)
         rows, lay = self._store[layer], self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
-            if lay.quant is None:
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, target, [(lay.index, keys)])
+            elif lay.quant is None:
                 self._field(layer, lay.index).index_copy_(0, target, keys)
             else:
                 if self.index_rotation:
