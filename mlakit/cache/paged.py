@@ -295,31 +295,30 @@ class PagedLatentCache(StepCache):
                 latent.index_put_((plan.write_rows,), c_kv)
                 rope.index_put_((plan.write_rows,), k_pe)
                 return
-            rows = self._store[layer]
             target = plan.write_rows.reshape(-1)
             latent = c_kv.detach().reshape(target.numel(), -1)
             values, scale = quantize(latent, lay.quant)
             rope = k_pe.detach().to(lay.rope.dtype)
-            put_fields(rows, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
+            self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
 
     def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
-        """Fields of token rows `target` [N] written by one `index_copy_` of whole rows: under
-        torch.compile, an `index_put_` into a column view of the pool makes inductor copy the whole
-        pool back at every write (issue 23)."""
-        pool = self._store[layer]
-        if pool.dtype == torch.uint8:
-            put_fields(pool, target, fields)
+        """Fields of token rows `target` [N] written by one `index_put_` of whole rows into the store:
+        under torch.compile, a write into a column, dtype or layer view of the store makes inductor
+        copy the whole store back at every write (issue 23)."""
+        store = self._store
+        if store.dtype == torch.uint8:
+            put_fields(store, layer, target, fields)
             return
-        new = pool.index_select(0, target)  # [N, width]
+        new = store[layer].index_select(0, target)  # [N, width]
         for field, values in fields:
             start = field.offset // field.dtype.itemsize
             new[:, start : start + field.count] = values.reshape(target.numel(), -1)
-        pool.index_copy_(0, target, new)
+        store.index_put_((torch.full_like(target, layer), target), new)
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         target = plan.write_rows.reshape(-1)
-        rows, lay = self._store[layer], self.layout
+        lay = self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
             if lay.quant is None and torch.compiler.is_compiling():
@@ -331,7 +330,7 @@ class PagedLatentCache(StepCache):
                     keys = hadamard(keys)
                 groups = index_groups(keys.shape[-1], lay.quant)
                 values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
-                put_fields(rows, target, [(lay.index, values), (lay.index_scale, scale)])
+                self._put_rows(layer, target, [(lay.index, values), (lay.index_scale, scale)])
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);

@@ -114,15 +114,17 @@ def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
     return rows[:, field.offset : field.offset + size * field.count].view(field.dtype)
 
 
-def put_fields(rows: torch.Tensor, target: torch.Tensor, fields: list[tuple[Field, torch.Tensor]]) -> None:
-    """Write token rows `target` [N] of a uint8 pool `rows` [rows, row_bytes]: each field's values
-    [N, count] replace its bytes, the rest of each row is kept (read first). One `index_copy_` of
-    whole byte rows into the pool itself: writing through dtype views of the pool instead makes
-    torch.compile rebuild and copy back the whole pool at every write (issue 23)."""
-    new = rows.index_select(0, target)  # [N, row_bytes]: a fresh copy of the rows
+def put_fields(
+    store: torch.Tensor, layer: int, target: torch.Tensor, fields: list[tuple[Field, torch.Tensor]]
+) -> None:
+    """Write token rows `target` [N] of one layer of a uint8 pool `store` [layers, rows, row_bytes]:
+    each field's values [N, count] replace its bytes, the rest of each row is kept (read first). One
+    `index_put_` of whole byte rows into the pool tensor itself: writing through dtype, column or
+    layer views of the pool instead makes torch.compile copy the whole pool back (issue 23)."""
+    new = store[layer].index_select(0, target)  # [N, row_bytes]: a fresh copy of the rows
     for field, values in fields:
         field_view(new, field).copy_(values.reshape(target.numel(), -1))
-    rows.index_copy_(0, target, new)
+    store.index_put_((torch.full_like(target, layer), target), new)
 
 
 def quantize(
