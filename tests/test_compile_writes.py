@@ -1,6 +1,7 @@
-"""The paged cache's writes under torch.compile (issue 23, item 3): whole rows by one `index_copy_`
-(`put_fields`, `PagedLatentCache._put_rows`) instead of writes through column or dtype views of the
-pool, which made inductor rebuild and copy back the whole pool at every layer. The compiled step must
+"""The caches' writes under torch.compile (issue 23, item 3): whole rows by one `index_put_` into the
+buffer itself (`put_fields`, `PagedLatentCache._put_rows`, `LatentCache.write`) instead of writes
+through layer, column or dtype views of it, which made inductor copy the whole buffer back at every
+layer. The compiled step must
 leave the very bytes the eager step leaves (latent, scales, rope key, DSA indexer key and its scales)
 and give the same outputs."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_close, randn
 
-from mlakit import MLAAttention, MLAConfig
+from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.quant import put_fields, token_layout
 
@@ -51,13 +52,22 @@ def run_stack(layers, hidden, plan):
 
 
 def cache(quant):
+    if quant == "contiguous":
+        return LatentCache(CFG, BATCH, 24, num_layers=LAYERS)
     c = PagedLatentCache(CFG, 24, 4, max_batch=BATCH, num_layers=LAYERS, quant=quant)
     c.blocks.shuffle(5)
     return c
 
 
+def buffers(c) -> torch.Tensor:
+    """Every byte the cache holds, one uint8 tensor [layers, rows, bytes]."""
+    if isinstance(c, LatentCache):
+        return torch.cat([t.view(torch.uint8) for t in (c._c_rows, c._k_rows, c._i_rows)], dim=-1)
+    return c._store.view(torch.uint8)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-@pytest.mark.parametrize("quant", [None, "fp8", "int8"])
+@pytest.mark.parametrize("quant", ["contiguous", None, "fp8", "int8"])
 def test_compiled_dsa_steps_write_the_eager_bytes(quant, backend):
     if backend == "inductor" and quant != "fp8":
         pytest.skip("one inductor compile (minutes on a loaded CPU); the writes are the same code")
@@ -74,7 +84,7 @@ def test_compiled_dsa_steps_write_the_eager_bytes(quant, backend):
             for c, p in zip(caches, plans, strict=True):
                 c.commit(p)
             assert_close(f"step {step}", got, want, rtol=1e-5)
-    eager_pool, graph_pool = (c._store.view(torch.uint8) for c in caches)
+    eager_pool, graph_pool = (buffers(c) for c in caches)
     if backend == "eager":  # the same values: the same bytes
         assert torch.equal(graph_pool, eager_pool), "the compiled steps wrote other bytes"
         return
@@ -90,11 +100,13 @@ def test_compiled_dsa_steps_write_the_eager_bytes(quant, backend):
 
 def test_put_fields_keeps_the_other_fields():
     lay = token_layout(CFG, torch.float32, "fp8")
-    pool = torch.randint(0, 255, (10, lay.row_bytes), dtype=torch.uint8)
-    before = pool.clone()
+    store = torch.randint(0, 255, (2, 10, lay.row_bytes), dtype=torch.uint8)
+    before = store.clone()
     target = torch.tensor([7, 2])
     scale = torch.tensor([[0.5], [2.0]])
-    put_fields(pool, target, [(lay.scale, scale)])
+    put_fields(store, 1, target, [(lay.scale, scale)])
+    assert torch.equal(store[0], before[0])
+    pool, before = store[1], before[1]
     span = slice(lay.scale.offset, lay.scale.offset + 4 * lay.scale.count)
     assert torch.equal(pool[target][:, span].view(torch.float32), scale)
     rest = torch.ones(lay.row_bytes, dtype=torch.bool)
