@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -151,14 +152,16 @@ def main() -> None:
         profile(args.profile, args.context, args.backend)
         return
     rows = [row(kind, args.context, args.reps, args.backend) for kind in args.kinds]
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = platform.processor() or platform.machine()
+    print(f"{machine}, torch {torch.__version__}, {args.threads} thread(s), load {load}")
     print(f"{'kind':<11} {'eager ms (min/med)':>19} {'compiled ms (min/med)':>22} {'compile s':>10}")
     for r in rows:
         e = f"{r['eager_ms_min']:.3f}/{r['eager_ms_median']:.3f}"
         c = f"{r['compiled_ms_min']:.3f}/{r['compiled_ms_median']:.3f}"
         print(f"{r['kind']:<11} {e:>19} {c:>22} {r['compile_s']:>10.1f}")
     if args.json:
-        meta = dict(machine=platform.processor(), torch=torch.__version__, threads=args.threads)
+        meta = dict(machine=platform.processor(), torch=torch.__version__, threads=args.threads, load=load)
         with open(args.json, "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=1)
 
