@@ -7,8 +7,9 @@ top-k is transformers' own (`mlakit.hf.dsa_index`: their scores, op for op, and 
 patched model selects what the unpatched one selects, ties included); the attention over the
 selected latents is mlakit's (`mlakit.ops.sparse`), never expanding a latent per head. While every
 query sees <= index_topk keys the attention is dense (absorb or materialize, as the base class
-picks). Under torch.compile / torch.export, for a custom mask, or when the weights are asked for, the
-selection joins transformers' mask and the masked route of the base class runs (`mlakit.hf.traced`).
+picks). Under torch.compile / torch.export or for a custom mask, transformers' mask is read at the
+selected keys (`mlakit.hf.traced.sparse_absorb_masked`: k gathered latents per query); when the
+weights are asked for, the selection joins the mask over all keys (the base class's masked route).
 GLM's layer keeps its (out, weights, topk_indices) return.
 """
 
@@ -19,7 +20,7 @@ import torch
 from mlakit.cost.sparse import choose_sparse
 from mlakit.hf.attention import PatchedMLAAttention, cached_tokens, key_length
 from mlakit.hf.dsa_index import hf_index_topk, with_selection
-from mlakit.hf.traced import is_traced
+from mlakit.hf.traced import is_traced, sparse_absorb_masked
 from mlakit.ops.sparse import sparse_absorb, sparse_materialize
 
 # attention class name → its modeling module, and whether the indexer's rope is interleaved
@@ -93,8 +94,12 @@ class PatchedDSAAttention(PatchedMLAAttention):
         else:
             topk = hf_index_topk(self.indexer, q_idx, k_idx, hidden_states, mask[:, 0], self.index_topk)
         weights = None
-        if past is None:
-            if sparse:
+        if past is None and sparse and not self.wants_weights(kwargs):
+            # the masked route over the k selected latents of each query, not all T
+            args = (q_nope, q_rot, c_kv, k_rot, *self.up_weights(), self.scaling, mask, topk.long())
+            run, out = "sparse-absorb", sparse_absorb_masked(*args)
+        elif past is None:
+            if sparse:  # the weights of all T keys: transformers' mask with the unselected hidden
                 mask = with_selection(mask, topk, total, hidden_states.dtype)
             run, out, weights = self._attend_masked(q_nope, q_rot, c_kv, k_rot, mask, context, kwargs)
             run = SPARSE_RUNS[run] if sparse else run

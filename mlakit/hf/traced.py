@@ -17,6 +17,7 @@ from mlakit.cost import crossover
 from mlakit.ops.absorb import fold_queries, unfold_values
 from mlakit.ops.common import compute_dtype, softmax_lse
 from mlakit.ops.materialize import expand
+from mlakit.ops.sparse import gather_rows
 
 
 def is_traced() -> bool:
@@ -111,3 +112,24 @@ def materialize_masked(
     probs, _ = softmax_lse(_masked(scores, mask))
     out = torch.matmul(probs.to(cd), v).transpose(1, 2).to(q_nope.dtype)  # [B, S, H, dv]
     return (out, probs.to(q_nope.dtype)) if need_weights else out
+
+
+def sparse_absorb_masked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask, indices) -> torch.Tensor:
+    """Absorb over each query's selected keys only: indices [B,S,k] (distinct positions < T), mask
+    [b,1,S,T] read at those positions (bool: keep True; float: added) → out [B,S,H,dv]. The same
+    attention as `absorb_masked` under transformers' DSA mask (unselected keys hidden), from k
+    gathered latents per query instead of all T."""
+    batch, new, heads, _ = q_nope.shape
+    k = indices.shape[-1]
+    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    c_sel = gather_rows(c_kv, indices).to(cd).reshape(batch * new, k, -1)  # [B·S, k, L]
+    k_sel = gather_rows(k_pe, indices).to(cd).reshape(batch * new, k, -1)  # [B·S, k, dr]
+    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+    q_l = q_lat.reshape(batch * new, heads, -1) * scale
+    q_r = q_pe.to(cd).reshape(batch * new, heads, -1) * scale
+    scores = torch.baddbmm(torch.bmm(q_r, k_sel.transpose(1, 2)), q_l, c_sel.transpose(1, 2))  # [B·S, H, k]
+    seen = mask[:, 0].expand(batch, new, mask.shape[-1]).gather(-1, indices)  # [B, S, k]
+    scores = _masked(scores.float(), seen.reshape(batch * new, 1, k))
+    probs, _ = softmax_lse(scores)
+    o_lat = torch.bmm(probs.to(cd), c_sel)  # [B·S, H, L]
+    return unfold_values(o_lat.view(batch, new, heads, -1), w_uv.to(cd)).to(q_nope.dtype)
