@@ -307,6 +307,7 @@ def test_unsupported_features_raise_before_writing():
     model = mhf.patch(tiny_model("deepseek-v3"))
     ids, mask = prompts(seed=10)
     with torch.no_grad():
+
         class OtherCache(transformers.DynamicCache):
             pass
 
