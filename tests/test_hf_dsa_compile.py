@@ -63,3 +63,33 @@ def test_export_matches_unpatched():
         got = program.module()(ids, **kwargs).logits
     keep = mask.bool()
     assert_close("exported logits", got[keep], want[keep])
+
+
+class WithCache(torch.nn.Module):
+    """A decode step over a StaticCache the module holds (how an exported decoder keeps its cache)."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, token, mask, positions):
+        return self.model(token, attention_mask=mask, position_ids=positions, cache=self.cache).logits
+
+
+def test_export_static_cache_decode_step():
+    """No data-dependent op in the static-cache route (the count the cache holds is a tensor): the
+    patched decode step exports like the unpatched one, and the two programs give the same logits."""
+    token, positions = torch.tensor([[5]]), torch.tensor([[15]])
+    mask = torch.nn.functional.pad(torch.ones(1, 16, dtype=torch.long), (0, MAX_CACHE - 16))
+    logits = []
+    for patch in (False, True):
+        model = tiny_model("v32-k8")
+        if patch:
+            mhf.patch(model)
+        ids, prompt_mask = prompts((15,))
+        cache = StaticCache(model.config, max_cache_len=MAX_CACHE)
+        with torch.no_grad():
+            model(ids, attention_mask=prompt_mask, cache=cache)  # 15 > k: the step selects
+            program = torch.export.export(WithCache(model, cache), (token, mask, positions), strict=False)
+            logits.append(program.module()(token, mask, positions))
+    assert_close("exported static-cache step, patched vs unpatched", logits[1], logits[0])
