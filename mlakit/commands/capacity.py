@@ -3,6 +3,7 @@ with the arithmetic; and the byte sizes the flags take (GB = 10^9 bytes, GiB = 2
 
 from __future__ import annotations
 
+import math
 import re
 
 from mlakit.cost import format_bytes
@@ -11,7 +12,7 @@ from mlakit.cost.capacity import WEIGHT_BYTES, capacity
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
 UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50})
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-MAX_BYTES = 10**18
+MAX_BYTES = 2**53  # 9 PB: exact in the page's JavaScript numbers too
 
 
 def parse_bytes(text: str, name: str) -> int:
@@ -23,9 +24,9 @@ def parse_bytes(text: str, name: str) -> int:
             f"--{name} takes a size in bytes, or with a unit (80GB = 80·10^9 bytes, 80GiB = 80·2^30; "
             f"B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}"
         )
-    value = round(float(m.group(1)) * UNITS[unit])
+    value = math.floor(float(m.group(1)) * UNITS[unit] + 0.5)  # half up, as the page rounds
     if not 1 <= value <= MAX_BYTES:
-        raise ValueError(f"--{name} must be from 1 byte to {MAX_BYTES:.0e} bytes, got {text!r}")
+        raise ValueError(f"--{name} must be from 1 byte to {MAX_BYTES:,} bytes (2^53), got {text!r}")
     return value
 
 
