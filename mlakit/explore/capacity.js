@@ -77,7 +77,7 @@ function drawCapacity(state) {
   note.dataset.tokens = String(r.tokens);
   const how = r.weights.source === "given"
     ? `${formatBytes(r.weights.bytes)} (given)`
-    : `${r.weights.parameters.toPrecision(4)} parameters × ${INPUTS.capacity.weight_bytes[r.weights.dtype]} B (${r.weights.dtype}) = ${formatBytes(r.weights.bytes)}`;
+    : `${Number(r.weights.parameters.toPrecision(4)).toExponential()} parameters × ${INPUTS.capacity.weight_bytes[r.weights.dtype]} B (${r.weights.dtype}) = ${formatBytes(r.weights.bytes)}`;
   note.textContent =
     `Weights ${how}, / tp ${c.tp} = ${formatBytes(r.weights.bytes_per_rank)} per rank; free ${formatBytes(c.memory)} − ${formatBytes(r.weights.bytes_per_rank)} = ${formatBytes(r.free)}. ` +
     `A sequence keeps ${groupDigits(r.tokens)} tokens on the fullest cp rank; sequences = floor(free / (B/token/layer × ${state.w.num_layers} layers × ${groupDigits(r.tokens)} tokens)).` +
