@@ -117,7 +117,7 @@ def test_cli_capacity_json_and_arithmetic(capsys):
         (["--context", "0"], "--context must be >= 1"),
         (["--memory", "80XB"], "--memory takes a size"),
         (["--weights-memory", "1GB"], "--weights-memory needs --memory"),
-        (["--model", "glm-5", "--memory", "80GB"], "--weights-memory"),
+        (["--model", "ax-k2", "--memory", "80GB"], "--weights-memory"),
         (["--memory", "80GB", "--tp", "256"], "tp=256 exceeds"),
     ],
     ids=["context-0", "bad-unit", "weights-alone", "no-parameters", "tp-too-many"],

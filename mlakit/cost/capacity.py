@@ -37,10 +37,10 @@ PARAMETERS: dict[str, float | None] = {
     "deepseek-v3.2": 671e9,  # V3.2 is V3's architecture with the indexer added
     "kimi-k2": 1e12,  # Kimi K2: 1 trillion total
     "glm-4.7-flash": 30e9,  # GLM-4.7-Flash, 30B-A3B
-    "glm-5": None,
+    "glm-5": 744e9,  # GLM-5 technical report: 744B total (40B active)
     "minicpm3-4b": 4e9,  # MiniCPM3-4B
     "youtu-llm-2b": 2e9,  # Youtu-LLM-2B
-    "ax-k1": None,
+    "ax-k1": 519e9,  # A.X K1 model card: 519B total (33B active)
     "mistral-small-4": 119e9,  # Mistral-Small-4-119B
     "longcat-flash": 560e9,  # LongCat-Flash report: 560B total
     "kimi-linear-48b": 48e9,  # Kimi-Linear-48B-A3B
