@@ -30,6 +30,9 @@ def register(sub) -> None:
     )
     p.add_argument("--batch", type=count_type("batch", 1), default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, help="torch threads (default: chosen as mlakit bench does: load and a probe)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -60,6 +63,8 @@ def rel_diff(a: list, b: list) -> float:
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     for name in ("prefill", "decode_steps", "batch"):
         if getattr(args, name) < (0 if name == "decode_steps" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -69,7 +74,10 @@ def run(args) -> int:
     import torch
 
     from mlakit.attention import MLAAttention
+    from mlakit.bench.machine_state import measure_state
 
+    state = measure_state(args.threads)  # bench's choice: 1 thread when the cores are busy
+    torch.set_num_threads(state.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -80,6 +88,7 @@ def run(args) -> int:
     result = {"model": cfg.name, "dtype": args.dtype, "batch": args.batch, "prefill": args.prefill}
     result["decode_steps"] = args.decode_steps
     result["threads"] = torch.get_num_threads()
+    result["threads_reason"] = state.reason
     outs = {}
     for mode in ("absorb", "materialize"):
         outs[mode], prefill_s, decode_s = run_path(layer, cfg, mode, prompt, steps, dtype)
@@ -94,6 +103,7 @@ def run(args) -> int:
         f"batch {args.batch}, prefill {args.prefill} + {args.decode_steps} decode steps, "
         f"{result['threads']} threads"
     )
+    print(f"threads: {result['threads_reason']}")
     print(f"{'path':<12} {'prefill ms':>11} {'decode ms/step':>15}")
     for mode in ("absorb", "materialize"):
         r = result[mode]

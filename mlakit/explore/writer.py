@@ -12,6 +12,7 @@ from importlib import resources
 from mlakit.config import PRESETS, MLAConfig
 from mlakit.cost import DEFAULT_COUNTING, DEFAULT_GQA_GROUPS, MACHINES, load_results, validate_results
 from mlakit.cost.cache_size import INDEX_TILE, QUANT_TILE, ROPE_BYTES, SCALE_BYTES, VALUE_BYTES
+from mlakit.cost.capacity import BLOCK_SIZE, PARAMETERS, WEIGHT_BYTES
 
 WIDTHS = (
     "num_heads",
@@ -32,6 +33,8 @@ START = {"model": "deepseek-v3", "context": 4096, "counting": DEFAULT_COUNTING, 
 SCRIPTS = (
     "model.js",
     "sparse.js",
+    "units.js",  # what the inputs read: 32K, 80GB (the CLI's forms)
+    "capacity.js",  # mirrors mlakit.cost.capacity
     "dsa.js",
     "ui.js",
 )  # model.js, sparse.js mirror mlakit.cost; the rest draw
@@ -83,6 +86,18 @@ def explorer_inputs(bench: dict | None = None) -> dict:
             "index_tile": INDEX_TILE,
         },
         "bench": bench,
+        **capacity_inputs(),
+    }
+
+
+def capacity_inputs() -> dict:
+    """The capacity panel's inputs: published parameter counts, bytes per weight, the CP block size."""
+    return {
+        "capacity": {
+            "parameters": dict(PARAMETERS),
+            "weight_bytes": dict(WEIGHT_BYTES),
+            "block_size": BLOCK_SIZE,
+        }
     }
 
 
