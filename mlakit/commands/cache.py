@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands import v4 as _v4
 from mlakit.commands.args import resolve_model
 from mlakit.commands.cost import add_model_args, check_tokens
 from mlakit.commands.ranks import per_rank_cache_bytes
@@ -40,6 +41,8 @@ def parse_groups(text: str) -> list[int]:
 
 def run(args) -> int:
     check_tokens("context", args.context, 0)
+    if _v4.is_v4(args.model):
+        return _v4.run_cache(args)
     groups = parse_groups(args.gqa_groups)
     cfg = resolve_model(args.model)
     e = cache_economics(cfg, args.context, args.dtype, groups)
