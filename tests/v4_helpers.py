@@ -32,7 +32,7 @@ def hf_config(window=8, csa=4, hca=16, topk=3, layer_types=None, **kw):
         rope_parameters={
             "rope_type": "yarn",
             "factor": 4.0,
-            "original_max_position_embeddings": 64,
+            "original_max_position_embeddings": 256,
             "beta_fast": 32,
             "beta_slow": 1,
         },
@@ -41,7 +41,7 @@ def hf_config(window=8, csa=4, hca=16, topk=3, layer_types=None, **kw):
         n_routed_experts=4,
         num_experts_per_tok=2,
         hc_mult=2,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
     )
     args.update(kw)
     c = DeepseekV4Config(**args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlakit.commands import emit_json
 from mlakit.config import PRESETS, MLAConfig
-from mlakit.hf.families import FAMILIES
+from mlakit.hf.families import FAMILIES, V4_FAMILIES
 
 _COLUMNS = (
     ("model", "name", "{:<16}"),
@@ -52,7 +52,7 @@ def families() -> list[dict]:
             "reason": f.refused,
             "differences": f.differences,
         }
-        for name, f in FAMILIES.items()
+        for name, f in {**FAMILIES, **V4_FAMILIES}.items()
     ]
 
 

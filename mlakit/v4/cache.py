@@ -111,6 +111,26 @@ class V4Cache:
             st[prefix + "store"] = torch.zeros(b * self.per_slot(kind) + 1, d, dtype=dtype, device=device)
         return st
 
+    def grow(self, max_seq_len: int) -> None:
+        """Make room for `max_seq_len` tokens per slot (the compressed stores grow; rings do not)."""
+        check_positive("max_seq_len", max_seq_len)
+        if max_seq_len <= self.max_seq_len:
+            return
+        if self._open is not None:
+            raise ValueError("a plan is open; commit or discard it before growing the cache")
+        old = {kind: self.per_slot(kind) for kind in (CSA, HCA)}
+        self.max_seq_len = max_seq_len
+        for layer, st in self.state.items():
+            kind = self.cfg.layer_types[layer]
+            for name in [n for n in st if n.endswith("store")]:
+                t, per = st[name], self.per_slot(kind)
+                new = t.new_zeros(self.batch_size * per + 1, t.shape[1])
+                rows = self.batch_size * old[kind]
+                new[:-1].view(self.batch_size, per, -1)[:, : old[kind]] = t[:rows].view(
+                    self.batch_size, old[kind], -1
+                )
+                st[name] = new
+
     def plan(self, new_tokens, slots=None, *, seq_len: int | None = None) -> V4Plan:
         """Check one step and build what its layers read; every refusal (ValueError) comes first."""
         if slots is not None:
