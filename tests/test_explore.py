@@ -144,6 +144,8 @@ def test_writer_sends_inputs_not_figures():
         "gqa_groups",
         "cache_format",
         "bench",
+        "v4_presets",  # the V4 panel (tests/test_v4_explore.py)
+        "v4_fp8_tile",
     }
     assert set(inputs["presets"]) == set(PRESETS)
     for name, widths in inputs["presets"].items():

@@ -113,7 +113,7 @@ const V4_CHART = { width: 720, height: 260, left: 70, right: 20, top: 16, bottom
 const V4_COLORS = { "deepseek-v3": "#d9622b", "deepseek-v3.2": "#2b6cd9" };
 
 function v4Line(svg, points, color) {
-  const p = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+  const p = document.createElementNS(SVGNS, "polyline");
   p.setAttribute("points", points.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
   p.setAttribute("fill", "none");
   p.setAttribute("stroke", color);
@@ -136,14 +136,14 @@ function v4Chart(svgId, name, dtype, metric, context) {
   const px = (c) => V4_CHART.left + ((Math.log2(c) - 10) / 10) * W;
   const py = (y) => V4_CHART.top + H - ((Math.log10(y) - lo) / (hi - lo)) * H;
   for (const [model, ys] of Object.entries(series)) v4Line(svg, xs.map((c, i) => [px(c), py(ys[i])]), V4_COLORS[model] || "#2a9d5c");
-  const mark = document.createElementNS("http://www.w3.org/2000/svg", "line");
+  const mark = document.createElementNS(SVGNS, "line");
   const x = px(Math.min(Math.max(context, 1024), 1 << 20));
   for (const [k, val] of [["x1", x], ["x2", x], ["y1", V4_CHART.top], ["y2", V4_CHART.top + H]]) mark.setAttribute(k, val);
   mark.setAttribute("stroke", "#1d2430");
   mark.setAttribute("stroke-dasharray", "4 3");
   svg.appendChild(mark);
   for (const [label, c] of [["1K", 1024], ["32K", 32768], ["1M", 1 << 20]]) {
-    const t = document.createElementNS("http://www.w3.org/2000/svg", "text");
+    const t = document.createElementNS(SVGNS, "text");
     t.setAttribute("x", px(c));
     t.setAttribute("y", V4_CHART.height - 14);
     t.setAttribute("text-anchor", "middle");
