@@ -126,17 +126,17 @@ class V4Attention(nn.Module):
         selected entries per query (keys [B,S,k,hd], valid [B,S,k], "per-query")."""
         cp = plan.compress[self.layer_type]
         self.compressor.update(hidden, cp, st, "", self.inv_freq)
-        keys = st["store"][cp.store_rows]  # [B,N,hd]
         if self.layer_type != CSA:
-            return keys, cp.visible, None
+            return st["store"][cp.store_rows], cp.visible, None  # [B,N,hd]: every entry
         indexer = self.compressor.indexer
         indexer.update(hidden, cp, st, "index_", self.inv_freq)
         idx, valid = indexer(hidden, q_residual, st["index_store"][cp.store_rows], cos, sin, cp.visible)
         if idx is None:
-            return keys, valid, None
+            return st["store"][cp.store_rows], valid, None
+        # only the selected entries are read from the store
         b, s, k = idx.shape
-        picked = keys.gather(1, idx.reshape(b, s * k, 1).expand(-1, -1, keys.shape[-1]))
-        return picked.view(b, s, k, -1), valid, "per-query"
+        rows = cp.store_rows.gather(1, idx.reshape(b, s * k))  # [B, S·k]
+        return st["store"][rows].view(b, s, k, -1), valid, "per-query"
 
     def _attend(self, q: torch.Tensor, parts) -> torch.Tensor:
         """Softmax over every part's keys plus the sink logit; K = V, so o = Σ p·k."""

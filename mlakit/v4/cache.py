@@ -239,7 +239,8 @@ class V4Cache:
         token up to `high` − 1)."""
         if length == 0 or length >= high:
             return True
-        needs = [(max(0, length - self.cfg.sliding_window), self.ring(SLIDING))]
+        # a query at t >= length sees the window t - n_win + 1 .. t: ring positions from length - n_win + 1
+        needs = [(max(0, length - self.cfg.sliding_window + 1), self.ring(SLIDING))]
         for kind in {self.cfg.layer_types[layer] for layer in self.layers} - {SLIDING}:
             m, coff = self.cfg.ratio(kind), 2 if kind == CSA else 1
             needs.append((max(0, (length // m - coff + 1) * m), self.ring(kind)))
