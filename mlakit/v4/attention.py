@@ -58,9 +58,20 @@ class V4Attention(nn.Module):
                     cfg.index_topk,
                     eps,
                 )
-        self.register_buffer("inv_freq", v4_inv_freq(cfg, self.layer_type), persistent=False)
+        # fp32 frequencies kept out of the module's buffers: `.to(bf16)` must not round them
+        self._freqs = {torch.device("cpu"): v4_inv_freq(cfg, self.layer_type)}
         for p in (self.q_a_proj, self.q_b_proj, self.kv_proj, self.o_a_proj, self.o_b_proj):
             nn.init.normal_(p.weight, std=0.02)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The layer's rope frequencies [dr/2], fp32 on the CPU."""
+        return self._freqs[torch.device("cpu")]
+
+    def _freqs_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._freqs:
+            self._freqs[device] = self.inv_freq.to(device)
+        return self._freqs[device]
 
     def forward(self, hidden: torch.Tensor, plan: V4Plan | None = None, *, new_tokens=None) -> torch.Tensor:
         """hidden [B,S,D] → [B,S,D]. With a plan: the step's layer over the plan's cache. Without: the
@@ -102,10 +113,11 @@ class V4Attention(nn.Module):
     def _compute(self, hidden: torch.Tensor, plan: V4Plan, st: dict) -> torch.Tensor:
         b, s, _ = hidden.shape
         cfg = self.cfg
-        cos, sin = cos_sin(self.inv_freq, plan.positions)  # [B,S,dr/2]
+        freqs = self._freqs_on(hidden.device)
+        work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        cos, sin = cos_sin(freqs, plan.positions, work)  # [B,S,dr/2]
         q_residual = self.q_a_norm(self.q_a_proj(hidden))
         q = self.q_b_proj(q_residual).view(b, s, cfg.num_heads, cfg.head_dim)
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q * torch.rsqrt(q.to(work).pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(q.dtype)
         q = rotate_tail(q, cos[:, :, None], sin[:, :, None])
         kv = rotate_tail(self.kv_norm(self.kv_proj(hidden)), cos, sin)  # [B,S,hd]
@@ -114,22 +126,22 @@ class V4Attention(nn.Module):
         window.index_copy_(0, plan.win_write, kv.reshape(b * s, -1).to(window.dtype))
         parts = [(keys_w, plan.win_visible, None)]
         if self.compressor is not None:
-            parts.append(self._compressed(hidden, q_residual, plan, st, cos, sin))
+            parts.append(self._compressed(hidden, q_residual, plan, st, cos, sin, freqs))
         o = self._attend(q, parts)  # [B,S,H,hd]
         o = rotate_tail(o, cos[:, :, None], sin[:, :, None], inverse=True)
         grouped = o.reshape(b, s, cfg.o_groups, -1)
         w = self.o_a_proj.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         return self.o_b_proj(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
 
-    def _compressed(self, hidden, q_residual, plan: V4Plan, st, cos, sin):
+    def _compressed(self, hidden, q_residual, plan: V4Plan, st, cos, sin, freqs):
         """(keys, mask, None) over every entry for HCA (and CSA while all fit in index_topk), else the
         selected entries per query (keys [B,S,k,hd], valid [B,S,k], "per-query")."""
         cp = plan.compress[self.layer_type]
-        self.compressor.update(hidden, cp, st, "", self.inv_freq)
+        self.compressor.update(hidden, cp, st, "", freqs)
         if self.layer_type != CSA:
             return st["store"][cp.store_rows], cp.visible, None  # [B,N,hd]: every entry
         indexer = self.compressor.indexer
-        indexer.update(hidden, cp, st, "index_", self.inv_freq)
+        indexer.update(hidden, cp, st, "index_", freqs)
         idx, valid = indexer(hidden, q_residual, st["index_store"][cp.store_rows], cos, sin, cp.visible)
         if idx is None:
             return st["store"][cp.store_rows], valid, None

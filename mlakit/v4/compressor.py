@@ -69,7 +69,9 @@ class Compressor(nn.Module):
         gate = gate.masked_fill(~cp.src_valid[..., None], float("-inf"))
         weights = gate.softmax(dim=2).to(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(dim=2))  # [B,E,d]
-        cos, sin = cos_sin(freqs, cp.entry_pos)
+        cos, sin = cos_sin(
+            freqs, cp.entry_pos, torch.float64 if pooled.dtype == torch.float64 else torch.float32
+        )
         return rotate_tail(pooled, cos, sin)
 
 

@@ -28,9 +28,11 @@ def v4_inv_freq(cfg: V4Config, layer_type: str) -> torch.Tensor:
     return inv_freq(spec)
 
 
-def cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] (any integer dtype) → cos, sin [..., dr/2] in fp32."""
-    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)
+def cos_sin(
+    freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] (any integer dtype) → cos, sin [..., dr/2] in `dtype` (fp32, or fp64)."""
+    angles = positions.to(dtype)[..., None] * freqs.to(device=positions.device, dtype=dtype)
     return angles.cos(), angles.sin()
 
 
