@@ -159,3 +159,41 @@ def test_refusals_change_nothing():
         cache.plan(1)
     cache.lengths[1] = 20
     _same(cache, snap)
+
+
+def test_release_then_reuse_equals_a_fresh_slot():
+    torch.manual_seed(5)
+    layers = [pair(CFG, layer)[1] for layer in range(3)]
+    cache = V4Cache(layers[0].cfg, 2, 64, num_layers=3)
+    _run(cache, layers, [torch.randn(2, 37, 32)])
+    cache.release(1)
+    x = torch.randn(1, 21, 32)
+    plan = cache.plan(21, slots=[1])
+    with torch.no_grad():
+        got = torch.stack([layer(x, plan) for layer in layers])
+    cache.commit(plan)
+    with torch.no_grad():
+        want = torch.stack([layer(x) for layer in layers])
+    assert torch.equal(got, want)
+    assert cache.lengths.tolist() == [37, 21]
+
+
+def test_no_host_reads_inside_a_planned_layer_call(monkeypatch):
+    """The plan decided everything: a layer call reads no tensor value back to the host."""
+    torch.manual_seed(6)
+    layers = [pair(CFG, layer)[1] for layer in range(3)]
+    cache = V4Cache(layers[0].cfg, 2, 64, num_layers=3)
+    _run(cache, layers, [torch.randn(2, 30, 32)])
+    plan = cache.plan([1, 3])
+    x = torch.randn(2, 3, 32)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read inside a planned layer call")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with torch.no_grad():
+        for layer in layers:
+            layer(x, plan)
+    monkeypatch.undo()
+    cache.commit(plan)
