@@ -197,3 +197,16 @@ def test_no_host_reads_inside_a_planned_layer_call(monkeypatch):
             layer(x, plan)
     monkeypatch.undo()
     cache.commit(plan)
+
+
+def test_grow_keeps_every_entry():
+    torch.manual_seed(7)
+    layers = [pair(CFG, layer)[1] for layer in range(3)]
+    small, big = (V4Cache(layers[0].cfg, 2, n, num_layers=3) for n in (40, 120))
+    first = torch.randn(2, 37, 32)
+    _run(small, layers, [first])
+    _run(big, layers, [first])
+    small.grow(120)
+    tail = [torch.randn(2, 1, 32) for _ in range(40)]
+    for a, b in zip(_run(small, layers, tail), _run(big, layers, tail), strict=True):
+        assert torch.equal(a, b)
