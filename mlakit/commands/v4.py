@@ -115,3 +115,39 @@ def _print_compare(r: dict) -> None:
             f"  {name:<18} {c['flops'] / 1e9:>12,.1f} GFLOPs  ({c['flops_vs_v3.2']:.1%} of V3.2{share}; "
             f"cache {format_bytes(c['cache_bytes_per_sequence'])})"
         )
+
+
+def v4_models() -> list[dict]:
+    """One row per V4 preset, for `mlakit models`: its layer counts and what a token stores per layer."""
+    from mlakit.cost.v4 import cache_bytes_per_token
+
+    rows = []
+    for name in V4_PRESETS:
+        cfg = V4Config.preset(name)
+        rows.append(
+            {
+                "name": name,
+                "hidden_size": cfg.hidden_size,
+                "num_heads": cfg.num_heads,
+                "head_dim": cfg.head_dim,
+                "layers": {k: cfg.count(k) for k in LAYER_TYPES},
+                "sliding_window": cfg.sliding_window,
+                "ratios": {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio},
+                "index_topk": cfg.index_topk,
+                "bf16_bytes_per_token_per_layer": cache_bytes_per_token(cfg, "bf16"),
+            }
+        )
+    return rows
+
+
+def print_v4_models(rows: list[dict]) -> None:
+    print("\nDeepSeek-V4 presets (mlakit.V4Config; docs/v4.md): bf16 bytes per cached token per layer")
+    head = f"{'preset':<20} {'layers window/CSA/HCA':>22} {'heads x dim':>12}"
+    print(head + f" {'top-k':>6} {'CSA B':>7} {'HCA B':>6}")
+    for r in rows:
+        n, b = r["layers"], r["bf16_bytes_per_token_per_layer"]
+        counts = "/".join(str(n[k]) for k in LAYER_TYPES)
+        print(
+            f"{r['name']:<20} {counts:>22} {r['num_heads']:>5} x {r['head_dim']:<4} {r['index_topk']:>6} "
+            f"{b['compressed_sparse_attention']:>7g} {b['heavily_compressed_attention']:>6g}"
+        )
