@@ -119,3 +119,42 @@ def test_layer_refusals():
         V4Attention(cfg, layer_idx=3)
     with pytest.raises(ValueError, match="width 31"):
         V4Attention(cfg, layer_idx=0)(torch.randn(1, 2, 31))
+
+
+def test_from_hf_reads_a_published_config_folder(tmp_path):
+    """A config.json as DeepSeek publishes it (per-layer compress_ratios with the MTP entry, rope_scaling)."""
+    import json
+
+    pro = V4Config.preset("deepseek-v4-pro")
+    published = {
+        "model_type": "deepseek_v4",
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 61,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1536,
+        "o_groups": 16,
+        "o_lora_rank": 1024,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 1024,
+        "sliding_window": 128,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "type": "yarn",
+        },
+        "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    got = V4Config.from_hf(str(tmp_path))
+    assert got.to_dict() | {"name": pro.name} == pro.to_dict()
+    from mlakit.commands.v4 import is_v4
+
+    assert is_v4(str(tmp_path)) and not is_v4("deepseek-v3")
