@@ -210,3 +210,22 @@ def test_grow_keeps_every_entry():
     tail = [torch.randn(2, 1, 32) for _ in range(40)]
     for a, b in zip(_run(small, layers, tail), _run(big, layers, tail), strict=True):
         assert torch.equal(a, b)
+
+
+def test_one_layer_call_with_a_cache():
+    """layer(hidden, cache, slots=, new_tokens=) is plan, layer, commit; a refusal changes nothing."""
+    torch.manual_seed(8)
+    layer = pair(CFG, 1)[1]
+    cache = V4Cache(layer.cfg, 3, 64, num_layers=2, layers=[1])
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        got = layer(x, cache, slots=[2, 0], new_tokens=[9, 4])
+        assert cache.lengths.tolist() == [4, 0, 9]
+        assert_close("slot 2", got[0], layer(x[:1])[0], 1e-6)
+        assert_close("slot 0", got[1, :4], layer(x[1:, :4])[0], 1e-6)
+        snap = _snapshot(cache)
+        with pytest.raises(ValueError, match="width 31"):
+            layer(torch.randn(2, 9, 31), cache)
+        with pytest.raises(ValueError, match="overflow"):
+            layer(torch.randn(1, 61, 32), cache, slots=[2])
+    _same(cache, snap)

@@ -73,10 +73,27 @@ class V4Attention(nn.Module):
             self._freqs[device] = self.inv_freq.to(device)
         return self._freqs[device]
 
-    def forward(self, hidden: torch.Tensor, plan: V4Plan | None = None, *, new_tokens=None) -> torch.Tensor:
-        """hidden [B,S,D] → [B,S,D]. With a plan: the step's layer over the plan's cache. Without: the
-        tokens alone (positions 0..), right-padded rows through `new_tokens` (padding outputs are 0)."""
+    def forward(
+        self, hidden: torch.Tensor, plan: V4Plan | V4Cache | None = None, *, slots=None, new_tokens=None
+    ) -> torch.Tensor:
+        """hidden [B,S,D] → [B,S,D]. With a plan: the step's layer over the plan's cache. With a V4Cache:
+        plan, this layer, commit (the one-layer call; a model plans once for all its layers). Without:
+        the tokens alone (positions 0..). Right-padded rows through `new_tokens` (padding outputs are 0)."""
         self._check_hidden(hidden)
+        if isinstance(plan, V4Cache):
+            cache = plan
+            b, s, _ = hidden.shape
+            plan = cache.plan(s if new_tokens is None else new_tokens, slots, seq_len=s)
+            try:
+                self._check_plan(hidden, plan)
+                out = self._compute(hidden, plan, cache.state[self.layer_idx])
+            except Exception:
+                cache.discard(plan)
+                raise
+            cache.commit(plan)
+            return out
+        if slots is not None:
+            raise ValueError("slots is for a call with a V4Cache; a plan already names its slots")
         if plan is None:
             b, s, _ = hidden.shape
             cache = V4Cache(self.cfg, b, s, dtype=hidden.dtype, device=hidden.device, layers=[self.layer_idx])
