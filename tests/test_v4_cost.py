@@ -75,3 +75,10 @@ def test_cli_text_and_torch_free():
     assert "compressed_sparse" in text and "of V3.2" in text
     code = "import sys, mlakit.cost.v4, mlakit.commands.v4; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=".")
+
+
+def test_layer_type_names_match_the_config():
+    from mlakit.cost import v4 as cost_v4
+    from mlakit.v4 import config
+
+    assert cost_v4.LAYER_TYPES == config.LAYER_TYPES

@@ -17,8 +17,11 @@ from mlakit.config import MLAConfig
 from mlakit.cost.cache_size import SCALE_BYTES, VALUE_BYTES, check_cache_dtype, index_key_bytes
 from mlakit.cost.sparse import indexer_macs, sparse_absorb_macs
 from mlakit.cost.terms import absorb_macs, shared_macs
-from mlakit.v4.config import CSA, HCA, LAYER_TYPES, SLIDING, V4Config
 
+# the layer types (mlakit.v4.config's names; the cost model imports nothing but mlakit.config): a
+# V4Config is read through its fields and its ratio(kind) / count(kind), as an MLAConfig is
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
 TERMS = ("window", "compressed_dense", "compressed_sparse", "indexer", "compressors", "projections")
 # fp8 entries: the non-rope dims in e4m3 with one fp32 scale per 64 (DeepSeek's reference quantizes
 # the window and compressed K = V in blocks of 64), the rope dims in bf16
@@ -31,7 +34,7 @@ def _check(new, context) -> None:
             raise ValueError(f"{name} must be an integer >= {1 if name == 'new' else 0}, got {v!r}")
 
 
-def entry_bytes(cfg: V4Config, dtype: str = "bf16") -> int:
+def entry_bytes(cfg, dtype: str = "bf16") -> int:
     """One K = V entry (window or compressed): head_dim values."""
     check_cache_dtype(dtype)
     if dtype in ("fp8", "int8"):
@@ -40,7 +43,7 @@ def entry_bytes(cfg: V4Config, dtype: str = "bf16") -> int:
     return cfg.head_dim * VALUE_BYTES[dtype]
 
 
-def index_bytes(cfg: V4Config, dtype: str = "bf16") -> int:
+def index_bytes(cfg, dtype: str = "bf16") -> int:
     """One CSA indexer key (index_head_dim values; fp8: one fp32 scale per 128, as DSA's)."""
     check_cache_dtype(dtype)
     if dtype in ("fp8", "int8"):
@@ -48,7 +51,7 @@ def index_bytes(cfg: V4Config, dtype: str = "bf16") -> int:
     return cfg.index_head_dim * VALUE_BYTES[dtype]
 
 
-def layer_terms(cfg: V4Config, layer_type: str, context: int, new: int = 1, dtype: str = "bf16") -> dict:
+def layer_terms(cfg, layer_type: str, context: int, new: int = 1, dtype: str = "bf16") -> dict:
     """{term: {"macs", "bytes"}} of one layer of `layer_type`, every name of TERMS (0 where absent)."""
     _check(new, context)
     if layer_type not in LAYER_TYPES:
@@ -73,7 +76,7 @@ def layer_terms(cfg: V4Config, layer_type: str, context: int, new: int = 1, dtyp
     return out
 
 
-def _indexer(cfg: V4Config, new: int, entries: int, dtype: str) -> dict:
+def _indexer(cfg, new: int, entries: int, dtype: str) -> dict:
     """Queries from the q latent, the head weights and the scores over every entry; none while all
     entries fit in index_topk (the selection is then every entry)."""
     if entries <= cfg.index_topk:
@@ -87,7 +90,7 @@ def _indexer(cfg: V4Config, new: int, entries: int, dtype: str) -> dict:
     return {"macs": macs, "bytes": entries * index_bytes(cfg, dtype)}
 
 
-def _compressors(cfg: V4Config, layer_type: str, new: int) -> dict:
+def _compressors(cfg, layer_type: str, new: int) -> dict:
     """kv and gate projections of every new token, and the pooling (2·coff·d per token, amortized)."""
     if layer_type == SLIDING:
         return {"macs": 0, "bytes": 0}
@@ -98,7 +101,7 @@ def _compressors(cfg: V4Config, layer_type: str, new: int) -> dict:
     return {"macs": macs, "bytes": 0}
 
 
-def _projection_macs(cfg: V4Config) -> int:
+def _projection_macs(cfg) -> int:
     h, hd, d, g, r = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.o_groups, cfg.o_lora_rank
     return (
         d * cfg.q_lora_rank  # hidden · q_a_proj
@@ -109,7 +112,7 @@ def _projection_macs(cfg: V4Config) -> int:
     )
 
 
-def cache_bytes_per_token(cfg: V4Config, dtype: str = "bf16") -> dict[str, float]:
+def cache_bytes_per_token(cfg, dtype: str = "bf16") -> dict[str, float]:
     """Bytes each cached token adds to one layer of each type, at long context (window amortized)."""
     eb = entry_bytes(cfg, dtype)
     return {
@@ -119,7 +122,7 @@ def cache_bytes_per_token(cfg: V4Config, dtype: str = "bf16") -> dict[str, float
     }
 
 
-def sequence_bytes(cfg: V4Config, context: int, dtype: str = "bf16") -> dict:
+def sequence_bytes(cfg, context: int, dtype: str = "bf16") -> dict:
     """Bytes one sequence of `context` tokens keeps, per layer type and in all (window included)."""
     _check(1, context)
     eb = entry_bytes(cfg, dtype)
@@ -133,7 +136,7 @@ def sequence_bytes(cfg: V4Config, context: int, dtype: str = "bf16") -> dict:
     return {"per_layer": per_type, "total": total}
 
 
-def model_cost(cfg: V4Config, context: int, new: int = 1, dtype: str = "bf16") -> dict:
+def model_cost(cfg, context: int, new: int = 1, dtype: str = "bf16") -> dict:
     """Terms per layer type, each type's total per layer, and the model's sum over its layers."""
     by_type, totals = {}, {name: {"macs": 0, "bytes": 0} for name in TERMS}
     for kind in LAYER_TYPES:
@@ -182,7 +185,7 @@ def _latent_bytes(cfg: MLAConfig, dtype: str) -> int:
     return cache_layouts(cfg, ())["mla"].bytes(dtype)
 
 
-def compare(cfg: V4Config, context: int, new: int = 1, dtype: str = "bf16") -> dict:
+def compare(cfg, context: int, new: int = 1, dtype: str = "bf16") -> dict:
     """V4 beside V3.2 and V3 at one context: FLOPs per step (2 per multiply-add) and cache bytes."""
     v4 = model_cost(cfg, context, new, dtype)
     seq = sequence_bytes(cfg, context, dtype)
@@ -209,7 +212,7 @@ def compare(cfg: V4Config, context: int, new: int = 1, dtype: str = "bf16") -> d
     return rows
 
 
-def v4_report(cfg: V4Config, context: int, new: int = 1, dtype: str = "bf16") -> dict:
+def v4_report(cfg, context: int, new: int = 1, dtype: str = "bf16") -> dict:
     """What `mlakit cost` / `mlakit cache` print for a V4 model (JSON-ready)."""
     cost = model_cost(cfg, context, new, dtype)
     return {
