@@ -62,3 +62,16 @@ def test_patch_shares_weights_and_forward_without_cache():
     attn = model.model.layers[1].self_attn
     assert attn.v4.q_a_proj.weight is attn.original.q_a_proj.weight
     assert "DeepseekV4Attention" in mhf.SUPPORTED and "DeepseekV4ForCausalLM" in mhf.SUPPORTED_MODELS
+
+
+def test_equal_rows_batch_and_padding_refused():
+    model = _model(seed=3)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 64, (2, 40))
+    want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    mhf.patch(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    with pytest.raises(ValueError, match="padded rows"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)

@@ -9,6 +9,7 @@ so padded batches differ from their rows alone there too).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mlakit.v4.attention import V4Attention
@@ -62,6 +63,7 @@ class PatchedV4Attention(nn.Module):
             raise ValueError(
                 "output_attentions=True: mlakit never forms the attention weights (unpatch first)"
             )
+        _refuse_padding(attention_mask, hidden_states.shape[1])
         if cache is None:
             return self.v4(hidden_states), None
         layer = cache.layers[self.layer_idx]
@@ -101,6 +103,19 @@ class PatchedV4Attention(nn.Module):
                 f"reset: {seen} tokens, mlakit holds {int(state.lengths[0])}); use a fresh cache"
             )
         return state
+
+
+def _refuse_padding(mask, new: int) -> None:
+    """A padded token masks its own key: refuse (the compressors would pool it, as transformers' do)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] < new:
+        return
+    own = mask[:, 0, -new:, -new:].diagonal(dim1=-2, dim2=-1)  # [B, new]: each token's own key
+    hidden = ~own if own.dtype == torch.bool else own < 0
+    if bool(hidden.any()):
+        raise ValueError(
+            "padded rows are not supported by mlakit's DeepSeek-V4 attention (transformers' compressors "
+            "pool padding into the first entries too): run one sequence per row, unpadded"
+        )
 
 
 def _capacity(needed: int, current: int) -> int:
