@@ -229,6 +229,14 @@ def _agreement(picked) -> float:
     return len(mine & theirs) / max(len(theirs), 1)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def parse_contexts(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -251,7 +259,7 @@ def main() -> None:
     repeats = 3 if args.quick else args.repeats
     dtype = torch.bfloat16
     rows = []
-    where = platform.processor() or platform.machine()
+    where = _cpu_name()
     print(f"V4-Flash widths, bf16, batch 1, {args.threads} thread(s), {where}; load {os.getloadavg()}")
     head = f"{'layer':<30} {'cached':>8} {'mlakit ms':>10} {'transformers ms':>16} {'speedup':>8}"
     print(head + f" {'DSA V3.2 ms':>12} {'gate':>9} {'shared':>7}")
@@ -267,7 +275,13 @@ def main() -> None:
                 f"{r['selection_shared']:>7.1%}"
             )
     if args.json:
-        meta = {"threads": args.threads, "torch": torch.__version__, "load": os.getloadavg(), "dtype": "bf16"}
+        meta = {
+            "machine": _cpu_name(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "load": os.getloadavg(),
+            "dtype": "bf16",
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 
