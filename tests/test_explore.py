@@ -145,6 +145,8 @@ def test_writer_sends_inputs_not_figures():
         "cache_format",
         "bench",
         "capacity",
+        "v4_presets",  # the V4 panel (tests/test_v4_explore.py)
+        "v4_fp8_tile",
     }
     assert set(inputs["presets"]) == set(PRESETS)
     for name, widths in inputs["presets"].items():

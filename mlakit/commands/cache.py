@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands import v4 as _v4
 from mlakit.commands.args import resolve_model
 from mlakit.commands.capacity import add_capacity_args, capacity_from_args, print_capacity
 from mlakit.commands.cost import add_model_args, check_tokens
@@ -48,6 +49,8 @@ def parse_groups(text: str) -> list[int]:
 
 def run(args) -> int:
     check_tokens("context", args.context, 1)  # a sequence of no tokens caches nothing to size
+    if _v4.is_v4(args.model):
+        return _v4.run_cache(args)
     groups = parse_groups(args.gqa_groups)
     cfg = resolve_model(args.model)
     e = cache_economics(cfg, args.context, args.dtype, groups)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands import v4 as _v4
 from mlakit.commands.args import count_type, resolve_model
 from mlakit.cost import (
     CACHE_DTYPES,
@@ -84,6 +85,8 @@ def register(sub) -> None:
 def run(args) -> int:
     check_tokens("context", args.context, 0)
     check_tokens("new", args.new, 1)
+    if _v4.is_v4(args.model):
+        return _v4.run_cost(args)
     cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine)
     report = cost_report(cfg, args.context, args.new, args.dtype, machine, args.counting, args.fused)

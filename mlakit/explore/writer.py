@@ -37,7 +37,8 @@ SCRIPTS = (
     "capacity.js",  # mirrors mlakit.cost.capacity
     "dsa.js",
     "ui.js",
-)  # model.js, sparse.js mirror mlakit.cost; the rest draw
+    "v4.js",
+)  # model.js, sparse.js (and v4.js's arithmetic) mirror mlakit.cost; the rest draw
 BENCH_KEYS = ("schema", "model", "dtype", "machine", "rows")  # what the page reads of a results file
 
 
@@ -87,6 +88,7 @@ def explorer_inputs(bench: dict | None = None) -> dict:
         },
         "bench": bench,
         **capacity_inputs(),
+        **_v4_inputs(),
     }
 
 
@@ -98,6 +100,17 @@ def capacity_inputs() -> dict:
             "weight_bytes": dict(WEIGHT_BYTES),
             "block_size": BLOCK_SIZE,
         }
+    }
+
+
+def _v4_inputs() -> dict:
+    """The V4 panel's inputs: the V4 presets' widths and its fp8 tile (mlakit.cost.v4)."""
+    from mlakit.cost.v4 import FP8_TILE
+    from mlakit.v4.config import V4_PRESETS, V4Config
+
+    return {
+        "v4_presets": {name: V4Config.preset(name).to_dict() for name in V4_PRESETS},
+        "v4_fp8_tile": FP8_TILE,
     }
 
 
