@@ -28,7 +28,7 @@ class Linear(nn.Linear):
         w = self.weight
         cd = compute_dtype(w.dtype, w.device)
         rows = x.numel() // max(1, x.shape[-1])
-        if rows <= FEW_ROWS and cpu_core.few_rows_fit(x, w):
+        if cpu_core.few_rows_fit(x, w, rows, FEW_ROWS):
             out = cpu_core.small_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
             return out if self.bias is None else out + self.bias
         if cd == w.dtype or rows < UPCAST_MIN_ROWS or (torch.is_grad_enabled() and w.requires_grad):

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -447,6 +448,78 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
   return y.to(at::kBFloat16);
 }
 
+
+// q_lat [M, H, L] = q [M, H, dn] . w_uk [H, dn, L] per head, fp32 sums, rounded to bf16: each weight
+// row read once for every query row (a bmm over a strided weight view copies the weight first)
+at::Tensor fold_heads(const at::Tensor& q, const at::Tensor& w) {
+  check(q.dim() == 3 && w.dim() == 3 && q.size(1) == w.size(0) && q.size(2) == w.size(1), "q [M,H,dn], w [H,dn,L]");
+  check(q.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "q and w must be bf16");
+  check(q.stride(2) == 1 && w.stride(2) == 1 && w.size(2) % 16 == 0, "rows contiguous, L a multiple of 16");
+  const int64_t M = q.size(0), H = q.size(1), dn = q.size(2), L = w.size(2);
+  check(M <= 16, "at most 16 rows");
+  at::Tensor out = at::empty({M, H, L}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t l0 = 0; l0 < L; l0 += 256) {
+        const int nv = (int)std::min<int64_t>(16, (L - l0) / 16);
+        for (int64_t m = 0; m < M; ++m) {
+          __m512 acc[16];
+          for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dn; ++d) {
+            const uint32_t bits = (uint32_t)qp[m * q.stride(0) + h * q.stride(1) + d] << 16;
+            float qd;
+            std::memcpy(&qd, &bits, 4);
+            const __m512 b = _mm512_set1_ps(qd);
+            const uint16_t* row = wp + h * w.stride(0) + d * w.stride(1) + l0;
+            for (int j = 0; j < 16; ++j) {
+              if (j >= nv) break;
+              const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j)));
+              acc[j] = _mm512_fmadd_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[j]);
+            }
+          }
+          uint16_t* dst = op + (m * H + h) * L + l0;
+          for (int j = 0; j < nv; ++j)
+            _mm256_storeu_si256((__m256i*)(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
+        }
+      }
+  });
+  return out;
+}
+
+// out [M, H, dv] = o [M, H, L] . w_uv[h]^T per head (w_uv [H, dv, L]): dot products along L
+at::Tensor unfold_heads(const at::Tensor& o, const at::Tensor& w) {
+  check(o.dim() == 3 && w.dim() == 3 && o.size(1) == w.size(0) && o.size(2) == w.size(2), "o [M,H,L], w [H,dv,L]");
+  check(o.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "o and w must be bf16");
+  check(o.stride(2) == 1 && w.stride(2) == 1, "rows must be contiguous");
+  const int64_t M = o.size(0), H = o.size(1), L = o.size(2), dv = w.size(1);
+  check(M <= 8, "at most 8 rows");
+  at::Tensor y = at::empty({M, H, dv}, o.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(o.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint16_t* x = xp + h * o.stride(1);
+      const uint16_t* wh = wp + h * w.stride(0);
+      float* yh = yp + h * dv;
+      switch (M) {
+        case 1: small_rows<1, 8>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 2: small_rows<2, 6>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 3: small_rows<3, 4>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 4: small_rows<4, 4>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 5: small_rows<5, 3>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 6: small_rows<6, 3>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 7: small_rows<7, 2>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        default: small_rows<8, 2>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+      }
+    }
+  });
+  return y.to(at::kBFloat16);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mlakit_cpu, m) {
@@ -456,4 +529,8 @@ TORCH_LIBRARY(mlakit_cpu, m) {
   m.impl("latent_decode", c10::DispatchKey::CPU, TORCH_FN(latent_decode));
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
+  m.def("fold_heads(Tensor q, Tensor w) -> Tensor");
+  m.impl("fold_heads", c10::DispatchKey::CPU, TORCH_FN(fold_heads));
+  m.def("unfold_heads(Tensor o, Tensor w) -> Tensor");
+  m.impl("unfold_heads", c10::DispatchKey::CPU, TORCH_FN(unfold_heads));
 }

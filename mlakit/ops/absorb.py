@@ -22,7 +22,7 @@ from mlakit.ops.common import (
     query_chunk,
     softmax_lse,
 )
-from mlakit.ops.cpu_core import check_core, fused_latent, use_fused
+from mlakit.ops.cpu_core import check_core, few_rows_fit, fold_heads, fused_latent, unfold_heads, use_fused
 
 # cached tokens per block of the online softmax (1024 × 512 fp32 latents = 2 MB)
 KEY_BLOCK = 1024
@@ -74,6 +74,9 @@ def absorb(
 def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [B,S,H,dn] · W_UK[h] → [B,S,H,L]: one bmm over heads."""
     batch, new, heads, dn = q_nope.shape
+    if w_uk.shape[-1] % 16 == 0 and few_rows_fit(q_nope, w_uk, batch * new):
+        # a bf16 bmm over the strided per-head view of kv_b_proj copies the weight first
+        return fold_heads(q_nope.reshape(batch * new, heads, dn), w_uk).view(batch, new, heads, -1)
     q = q_nope.reshape(batch * new, heads, dn).transpose(0, 1)  # [H, B·S, dn]
     q_lat = torch.bmm(q, w_uk)  # [H, B·S, L]
     return q_lat.transpose(0, 1).reshape(batch, new, heads, -1)
@@ -82,6 +85,8 @@ def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def unfold_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [B,S,H,L] · W_UV[h]ᵀ → [B,S,H,dv]."""
     batch, new, heads, latent = o_lat.shape
+    if few_rows_fit(o_lat, w_uv, batch * new, limit=8):
+        return unfold_heads(o_lat.reshape(batch * new, heads, latent), w_uv).view(batch, new, heads, -1)
     o = o_lat.reshape(batch * new, heads, latent).transpose(0, 1)  # [H, B·S, L]
     out = torch.bmm(o, w_uv.transpose(1, 2))  # [H, B·S, dv]
     return out.transpose(0, 1).reshape(batch, new, heads, -1)

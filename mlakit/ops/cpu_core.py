@@ -97,7 +97,9 @@ def fused_latent(
     keys = (c_kv if rows is None else rows).shape[1]
     parts = default_splits(batch, keys) if splits is None else splits
     lens = kv_lens.to(device="cpu", dtype=torch.long).contiguous()
-    o, lse = torch.ops.mlakit_cpu.latent_decode(q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts)
+    o, lse = torch.ops.mlakit_cpu.latent_decode(
+        q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts
+    )
     return o.view(batch, new, heads, latent), lse.view(batch, new, heads)
 
 
@@ -114,13 +116,26 @@ def default_splits(batch: int, keys: int) -> int:
     return max(1, min(want, keys // MIN_SPLIT_KEYS))
 
 
-def few_rows_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `small_linear` takes x · wᵀ: bf16 on a CPU, no autograd, not traced, the core loaded."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.device.type != "cpu" or x.device != w.device:
+def few_rows_fit(x: torch.Tensor, w: torch.Tensor, rows: int = 0, limit: int = 16) -> bool:
+    """Whether the few-row products (`small_linear`, `fold_heads`, `unfold_heads`) take x and w: bf16
+    on a CPU, at most `limit` rows, no autograd, not traced, the core loaded."""
+    if rows > limit or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    if w.device.type != "cpu" or x.device != w.device or w.stride(-1) != 1:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
-    return not torch.compiler.is_compiling() and w.stride(-1) == 1 and available()
+    return not torch.compiler.is_compiling() and available()
+
+
+def fold_heads(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [M, H, dn] · w_uk [H, dn, L] per head → [M, H, L] bf16 (fp32 sums): the weight read once."""
+    return torch.ops.mlakit_cpu.fold_heads(q if q.stride(-1) == 1 else q.contiguous(), w_uk)
+
+
+def unfold_heads(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o [M <= 8, H, L] · w_uv[h]ᵀ per head (w_uv [H, dv, L]) → [M, H, dv] bf16 (fp32 sums)."""
+    return torch.ops.mlakit_cpu.unfold_heads(o if o.stride(-1) == 1 else o.contiguous(), w_uv)
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -183,9 +198,10 @@ def _load() -> tuple[bool, str | None]:
 
 def _build_dir() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
-    root = os.environ.get("MLAKIT_CPU_CORE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
-    ) / "mlakit" / "cpu_core"
+    root = (
+        os.environ.get("MLAKIT_CPU_CORE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlakit" / "cpu_core"
+    )
     path = Path(root) / key.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     return path

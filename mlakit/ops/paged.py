@@ -88,7 +88,9 @@ def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=Fals
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def page_rows(cache, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def page_rows(
+    cache, layer: int, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`pages` for `absorb_chunked`: (c_kv rows, k_pe rows) typed views of one layer's pool of an
     unquantized PagedLatentCache, and `rows`; None for quantized pages (read chunk by chunk instead)."""
     fields = getattr(cache, "_fields", None)
