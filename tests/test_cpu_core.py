@@ -81,6 +81,10 @@ def test_each_core_against_fp64_on_the_same_inputs(core, shape):
     # core mixes values with bf16 probabilities (2^-9 each), the torch core in fp32
     assert_lse_close("lse", lse, want_lse, atol=1e-5)
     assert_close("o_lat", o, want, 4e-3 if core == "fused" else 1e-5)
+    if core == "fused":  # the key range cut in parts (as with several threads), merged by lse
+        o3, lse3 = cpu_core.fused_latent(q_lat, q_pe, c_kv, k_pe, kv_lens, 0.1, splits=3)
+        assert_lse_close("lse, 3 parts", lse3, want_lse, atol=1e-5)
+        assert_close("o_lat, 3 parts", o3, want, 4e-3)
 
 
 @pytest.mark.parametrize("core", CORES)
