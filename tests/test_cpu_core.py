@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, assert_lse_close
+from helpers import assert_close, assert_lse_close, tiny_config
 
 from mlakit.linear import Linear
 from mlakit.ops import absorb, cpu_core, reference
@@ -189,3 +189,17 @@ def test_few_row_products_against_fp64(rows):
     o = torch.randn(rows, 1, 5, 64, generator=g).bfloat16()
     unfold = torch.einsum("bshl,hvl->bshv", o.double(), w_uv.double())
     assert_close("unfold", unfold_values(o, w_uv), unfold, 1e-2)
+
+
+def test_bench_says_which_core_runs():
+    from mlakit.bench.context import BenchContext
+    from mlakit.bench.report import header
+    from mlakit.bench.results import environment
+
+    env = environment(BenchContext(tiny_config(), torch.float32, "cpu"))
+    assert env["core"] == "torch-float32" and "bf16" in env["core_note"].lower()
+    doc = {"env": env, "model": "tiny", "dtype": "fp32", "gate": [], "skipped": []}
+    doc["timing"] = {"repeats": 3, "min_repeats": 3, "warmup": 1}
+    assert f"decode core: torch-float32 ({env['core_note']})" in header(doc)
+    name, note = cpu_core.describe(torch.bfloat16)
+    assert (name == "fused-avx512bf16") == cpu_core.available() and (note is None) == cpu_core.available()
