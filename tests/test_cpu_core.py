@@ -161,6 +161,10 @@ def test_a_failed_build_is_remembered_not_raised(monkeypatch, tmp_path):
     ok, why = cpu_core._load()
     assert not ok and "cannot compile" in why
     assert cpu_core._load() == (False, why)  # the marker: no second attempt
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MLAKIT_CPU_CORE_DIR", str(tmp_path / "a-file"))
+    ok, why = cpu_core._load()  # no folder to build in: a reason, not an exception
+    assert not ok and "cannot build" in why
     monkeypatch.setenv("MLAKIT_CPU_CORE", "torch")
     assert cpu_core._load() == (False, "MLAKIT_CPU_CORE turns it off")
 

@@ -11,7 +11,8 @@ SCORE_BUDGET = 1 << 26
 def _native_bf16() -> bool:
     """Native bf16 dot products: AVX512-BF16 or AMX-BF16 on x86 (oneDNN's own probe also says yes for
     AVX-512 without them, where bf16 is emulated), oneDNN's probe elsewhere (Arm BF16)."""
-    caps = torch._C._cpu._get_cpu_capability()
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # torch >= 2.3
+    caps = probe() if probe is not None else {}
     if caps.get("architecture") == "x86_64":
         return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

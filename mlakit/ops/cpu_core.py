@@ -33,8 +33,9 @@ _state: dict = {"loaded": None, "why": None}
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU has native bf16 dot products (AVX512-BF16 or AMX-BF16): not only AVX-512."""
-    caps = torch._C._cpu._get_cpu_capability()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # torch >= 2.3
+    caps = probe() if probe is not None else {}
+    return caps.get("architecture") == "x86_64" and bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def check_core(core: str) -> None:
@@ -179,16 +180,19 @@ def _load() -> tuple[bool, str | None]:
         return False, "MLAKIT_CPU_CORE turns it off"
     if not cpu_has_bf16():
         return False, "this CPU has no AVX512-BF16"
-    lib = _build_dir() / "mlakit_cpu_core.so"
-    failed = lib.with_suffix(".failed")
-    if failed.exists():
-        return False, failed.read_text()[-400:]
-    if not lib.exists():
-        why = _build(lib)
-        if why is not None:
-            if "TimeoutExpired" not in why:  # a compile error stays one; a slow machine may do better later
-                failed.write_text(why)
-            return False, why
+    try:
+        lib = _build_dir() / "mlakit_cpu_core.so"
+        failed = lib.with_suffix(".failed")
+        if failed.exists():
+            return False, failed.read_text()[-400:]
+        if not lib.exists():
+            why = _build(lib)
+            if why is not None:
+                if "TimeoutExpired" not in why:  # a compile error stays one; a slow machine may do better
+                    failed.write_text(why)
+                return False, why
+    except OSError as e:  # no source, no writable cache folder
+        return False, f"cannot build the fused core: {e}"
     try:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:
