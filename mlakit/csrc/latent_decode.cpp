@@ -449,6 +449,25 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 
+// NV x 16 columns of one query row of one head: sum over d of q[d] * w[d, l0 .. l0 + 16 NV) in fp32
+template <int NV>
+inline void fold_cols(const uint16_t* q, const uint16_t* w, int64_t ldw, int64_t dn, uint16_t* dst) {
+  __m512 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dn; ++d) {
+    const uint32_t bits = (uint32_t)q[d] << 16;
+    float qd;
+    std::memcpy(&qd, &bits, 4);
+    const __m512 b = _mm512_set1_ps(qd);
+    const uint16_t* row = w + d * ldw;
+    for (int j = 0; j < NV; ++j) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j)));
+      acc[j] = _mm512_fmadd_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_si256((__m256i*)(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
+}
+
 // q_lat [M, H, L] = q [M, H, dn] . w_uk [H, dn, L] per head, fp32 sums, rounded to bf16: each weight
 // row read once for every query row (a bmm over a strided weight view copies the weight first)
 at::Tensor fold_heads(const at::Tensor& q, const at::Tensor& w) {
@@ -463,27 +482,13 @@ at::Tensor fold_heads(const at::Tensor& q, const at::Tensor& w) {
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t l0 = 0; l0 < L; l0 += 256) {
-        const int nv = (int)std::min<int64_t>(16, (L - l0) / 16);
-        for (int64_t m = 0; m < M; ++m) {
-          __m512 acc[16];
-          for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-          for (int64_t d = 0; d < dn; ++d) {
-            const uint32_t bits = (uint32_t)qp[m * q.stride(0) + h * q.stride(1) + d] << 16;
-            float qd;
-            std::memcpy(&qd, &bits, 4);
-            const __m512 b = _mm512_set1_ps(qd);
-            const uint16_t* row = wp + h * w.stride(0) + d * w.stride(1) + l0;
-            for (int j = 0; j < 16; ++j) {
-              if (j >= nv) break;
-              const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j)));
-              acc[j] = _mm512_fmadd_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[j]);
-            }
-          }
-          uint16_t* dst = op + (m * H + h) * L + l0;
-          for (int j = 0; j < nv; ++j)
-            _mm256_storeu_si256((__m256i*)(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
-        }
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* qm = qp + m * q.stride(0) + h * q.stride(1);
+        const uint16_t* wh = wp + h * w.stride(0);
+        uint16_t* dst = op + (m * H + h) * L;
+        int64_t l0 = 0;
+        for (; l0 + 256 <= L; l0 += 256) fold_cols<16>(qm, wh + l0, w.stride(1), dn, dst + l0);
+        for (; l0 < L; l0 += 16) fold_cols<1>(qm, wh + l0, w.stride(1), dn, dst + l0);
       }
   });
   return out;
