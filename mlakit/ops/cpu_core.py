@@ -25,7 +25,7 @@ CORES = ("auto", "fused", "torch")
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "latent_decode.cpp"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 FLAGS += ("-mavx512bf16", "-mfma", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H")
-# seconds one compile may take (it takes ~20-40 s on a loaded 2-core machine)
+# seconds one compile may take (it took 35-50 s on a loaded 2-core machine)
 BUILD_TIMEOUT_S = 240
 
 _state: dict = {"loaded": None, "why": None}
