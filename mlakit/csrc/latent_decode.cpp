@@ -50,29 +50,34 @@ inline __m512 dp(__m512 acc, uint32_t pair, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)b);
 }
 
-// scores^T of 8 keys x NV*16 query rows: latent pairs from c_kv rows, then rope pairs from k_pe rows
+// scores^T of 8 keys x NV*16 query rows over kpn pairs of one part of the row (latent, then rope):
+// `first` starts from zero, else from st; `scale` (when not 1) multiplies the sums at the end. The
+// parts run as two calls so that only 8 row pointers are live (16 spill the accumulators)
 template <int NV>
-inline void score_tile(const uint32_t* const* kc, const uint32_t* const* kr, int kpl, int kpr,
-                       const uint32_t* qp, int64_t ldq, float* st, int64_t lds, float scale) {
+inline void score_part(const uint32_t* const* rows, int kpn, const uint32_t* qp, int64_t ldq, float* st,
+                       int64_t lds, bool first, float scale) {
+  const uint32_t* k[8];
+  for (int m = 0; m < 8; ++m) k[m] = rows[m];
   __m512 acc[8][NV];
   for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int kp = 0; kp < kpl; ++kp) {
+    for (int v = 0; v < NV; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(st + m * lds + 16 * v);
+  for (int kp = 0; kp < kpn; ++kp) {
     __m512i b[NV];
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(qp + kp * ldq + 16 * v);
     for (int m = 0; m < 8; ++m)
-      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], kc[m][kp], b[v]);
-  }
-  const uint32_t* qr = qp + kpl * ldq;
-  for (int kp = 0; kp < kpr; ++kp) {
-    __m512i b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(qr + kp * ldq + 16 * v);
-    for (int m = 0; m < 8; ++m)
-      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], kr[m][kp], b[v]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], k[m][kp], b[v]);
   }
   const __m512 s = _mm512_set1_ps(scale);
   for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + m * lds + 16 * v, _mm512_mul_ps(acc[m][v], s));
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(st + m * lds + 16 * v, scale == 1.0f ? acc[m][v] : _mm512_mul_ps(acc[m][v], s));
+}
+
+template <int NV>
+inline void score_tile(const uint32_t* const* kc, const uint32_t* const* kr, int kpl, int kpr,
+                       const uint32_t* qp, int64_t ldq, float* st, int64_t lds, float scale) {
+  score_part<NV>(kc, kpl, qp, ldq, st, lds, true, 1.0f);
+  score_part<NV>(kr, kpr, qp + kpl * ldq, ldq, st, lds, false, scale);
 }
 
 // O^T of 8 latent columns x NV*16 query rows: rescaled by alpha, plus the block's pairs of keys
