@@ -17,9 +17,9 @@ from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
 from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
-from mlakit.ops.common import compute_dtype
+from mlakit.ops.common import compute_dtype, core_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
-from mlakit.ops.paged import absorb_chunked
+from mlakit.ops.paged import absorb_chunked, page_rows
 from mlakit.ops.sparse import (
     gather_rows,
     index_scores,
@@ -295,6 +295,9 @@ class MLAAttention(nn.Module):
         # `run` checked is the layer's, and DSA steps get no lean form)
         if torch.compiler.is_compiling() or not self.short_decode:
             return False
+        # it multiplies in the storage dtype: a 16-bit cache on a CPU takes the fp32-score core instead
+        if core_dtype(self.dtype, self.device) != self.dtype:
+            return False
         return not isinstance(plan.cache, PagedLatentCache) or (
             _absorb_backend(self.absorb_backend, plan.cache.device) == "torch"
         )
@@ -553,7 +556,10 @@ class MLAAttention(nn.Module):
             )
         else:
             read = rows_reader(cache, layer, g.read_rows)
-            out, _ = absorb_chunked(q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len)
+            pages = page_rows(cache, layer, g.read_rows)
+            out, _ = absorb_chunked(
+                q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len, pages=pages
+            )
         self.last_backend = backend
         plan.backend = backend if plan.backend in (None, backend) else "mixed"
         return out
