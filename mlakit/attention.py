@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -185,7 +186,9 @@ class MLAAttention(nn.Module):
         check_finite: bool = False,
     ) -> torch.Tensor:
         """`new_tokens` [B] (optional) makes a ragged batch: row b brings its first new_tokens[b]
-        positions of `hidden_states` (the rest is padding, never read; its output is zero).
+        positions of `hidden_states` (the rest is padding, never read; its output is zero); one
+        integer is the count of every row, as `cache.plan` reads it. With a cache, this call plans,
+        runs and commits one layer: a cache of one layer only (several: plan / layers / commit).
         `check_finite=True` refuses NaN/inf at real positions (ValueError, cache unchanged; a host sync)."""
         if isinstance(cache, StepPlan):
             if mode != "auto" or slots is not None or new_tokens is not None:
@@ -215,6 +218,12 @@ class MLAAttention(nn.Module):
             out = self._compute(hidden_states, plan, None)
         else:
             self._check_cache(cache)
+            if cache.num_layers > 1:
+                raise ValueError(
+                    f"layer(hidden_states, cache) commits after one layer, but this cache holds "
+                    f"{cache.num_layers} layers: plan = cache.plan(...), then hidden = layer(hidden, plan) "
+                    "for every layer, then cache.commit(plan)"
+                )
             if check_finite:
                 _check_finite(hidden_states, None if counts is None else _valid(counts, new, self.device))
             plan = cache.plan(
@@ -625,6 +634,8 @@ class MLAAttention(nn.Module):
             counts = int_list(new_tokens, "new_tokens")
         except ValueError as err:
             raise ValueError(f"new_tokens must be {batch} integers (one per row): {err}") from None
+        if isinstance(new_tokens, numbers.Integral):  # one count for every row, as cache.plan reads it
+            counts = counts * batch
         if len(counts) != batch:
             raise ValueError(
                 f"new_tokens must be {batch} integers (one per row), "
