@@ -23,8 +23,7 @@ from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
 from mlakit.ops.sparse import (
     gather_rows,
-    index_scores,
-    select_topk,
+    index_topk,
     sparse_absorb_gathered,
     sparse_materialize,
 )
@@ -509,8 +508,7 @@ class MLAAttention(nn.Module):
             if getattr(cache, "index_rotation", False):
                 # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
                 index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
-        scores = index_scores(*index_q, k_ctx, g.kv_lens, max_keys=g.key_len)  # [R, S, key_len]
-        picked = select_topk(scores, self.cfg.index_topk)  # [R, S, k]
+        picked = index_topk(*index_q, k_ctx, g.kv_lens, self.cfg.index_topk, max_keys=g.key_len)  # [R, S, k]
         w_uk, w_uv = self.up_weights()
         if g.path == "sparse-absorb":
             if cache is None:

@@ -55,16 +55,16 @@ class StepCache:
         rows = self._rows_for(new_tokens, slots, batch)
         counts, uniform = check_counts(new_tokens, rows)
         width = max(counts) if seq_len is None else check_positive("seq_len", seq_len)
-        if width > self.step_capacity:
-            raise ValueError(
-                f"seq_len {width} is more tokens than one row of this cache can take "
-                f"({self.step_capacity}); expected the padded width of the step's hidden states"
-            )
         if max(counts) > width:
             raise ValueError(f"new_tokens {counts} outside 1..{width} (the padded width seq_len)")
         lengths = self._checked_lengths()
         slot_ids = self.resolve_slots(slots, rows)
         self.check_append(counts[0] if uniform else torch.tensor(counts), slot_ids)
+        if width > self.step_capacity:
+            raise ValueError(
+                f"seq_len {width} is more tokens than one row of this cache can take "
+                f"({self.step_capacity}); expected the padded width of the step's hidden states"
+            )
         # every check passed: from here on the step's rows are reserved
         old = self._open
         if old is not None and old.state == "open":
@@ -97,7 +97,7 @@ class StepCache:
         if batch is not None:
             rows = check_positive("batch", batch)
             if rows > self.batch_size:
-                raise ValueError(f"batch {rows} is more rows than the cache's {self.batch_size} slots")
+                raise ValueError(f"batch of {rows} rows, but the cache has {self.batch_size} slots")
             return rows
         if slots is not None:
             return len(int_list(slots, "slots"))

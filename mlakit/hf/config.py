@@ -39,6 +39,13 @@ _INDEXER_ROPE_INTERLEAVE = {
 }
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+# keys whose absence has a default here, and a JSON null is refused (no transformers config writes one)
+_NOT_NULL = {"num_hidden_layers": "1 layer", "max_position_embeddings": "4096", "model_type": "no family"}
+# transformers' defaults (5.24) for a DSA config that leaves them out: every DSA config class
+# defaults index_topk to 2048 (and runs sparse), and the configs whose latent norms read
+# rms_norm_eps default it to 1e-5
+TRANSFORMERS_INDEX_TOPK = 2048
+TRANSFORMERS_RMS_NORM_EPS = 1e-5
 
 
 def load_config_dict(source: Any) -> dict[str, Any]:
@@ -119,6 +126,11 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"config has no {', '.join(missing)}: not an MLA model config")
+    for key, absent in _NOT_NULL.items():
+        if key in d and d[key] is None:
+            raise ValueError(
+                f"config has {key}: null; expected a value (leave the key out for the default: {absent})"
+            )
     heads = checks.positive_int("num_attention_heads", d["num_attention_heads"])
     v_head_dim = d.get("v_head_dim")
     if v_head_dim is None:
@@ -156,7 +168,7 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         rope_scaling=scaling,
         rope_interleave=checks.boolean("rope_interleave", interleave),
         # most families build the two latent norms with eps 1e-6 whatever rms_norm_eps says
-        rms_norm_eps=d["rms_norm_eps"] if model_type in _LATENT_EPS_FROM_CONFIG else 1e-6,
+        rms_norm_eps=_latent_eps(d, model_type),
         attention_bias=False if bias is None else checks.boolean("attention_bias", bias),
         max_position_embeddings=4096 if max_pos is None else max_pos,
         name=checks.text("_name_or_path", name),
@@ -164,9 +176,21 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _latent_eps(d: dict[str, Any], model_type: str) -> float:
+    """The eps of the two latent norms: most families build them with 1e-6 whatever rms_norm_eps says;
+    the others read rms_norm_eps (transformers' default 1e-5 when the config leaves it out)."""
+    if model_type not in _LATENT_EPS_FROM_CONFIG:
+        return 1e-6
+    eps = d.get("rms_norm_eps")
+    return TRANSFORMERS_RMS_NORM_EPS if eps is None else eps
+
+
 def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises."""
-    if d.get("index_topk") is None:
+    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises. A config
+    with indexer widths (index_n_heads, index_head_dim) but no index_topk is DSA with transformers'
+    default index_topk (2048), as transformers loads it: never silently dense."""
+    has_indexer = d.get("index_n_heads") is not None or d.get("index_head_dim") is not None
+    if d.get("index_topk") is None and not has_indexer:
         return {}
     model_type = d.get("model_type", "")
     interleave = d.get("indexer_rope_interleave", _INDEXER_ROPE_INTERLEAVE.get(model_type))
@@ -178,7 +202,7 @@ def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     return dict(
         index_n_heads=d.get("index_n_heads"),
         index_head_dim=d.get("index_head_dim"),
-        index_topk=d["index_topk"],
+        index_topk=TRANSFORMERS_INDEX_TOPK if d.get("index_topk") is None else d["index_topk"],
         indexer_rope_interleave=checks.boolean("indexer_rope_interleave", interleave),
     )
 
