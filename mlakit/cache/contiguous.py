@@ -43,10 +43,11 @@ class LatentCache(StepCache):
         per_layer = batch_size * max_seq_len + 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_allocation(
-            f"LatentCache of {num_layers} layers x {batch_size} slots x {max_seq_len} tokens",
+            f"LatentCache of num_layers={num_layers} x batch_size={batch_size} x max_seq_len={max_seq_len}",
             num_layers * per_layer * (cfg.latent_dim + (cfg.index_head_dim or 0)) * itemsize
             + 16 * batch_size,
             device,
+            "batch_size, max_seq_len or num_layers",
         )
         self.cfg = cfg
         self.batch_size = batch_size

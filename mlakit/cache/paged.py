@@ -68,14 +68,17 @@ class PagedLatentCache(StepCache):
         layout = token_layout(cfg, dtype, quant)
         per_layer = num_blocks * block_size + 2
         check_allocation(
-            f"PagedLatentCache of {num_layers} layers x {num_blocks} blocks x {block_size} tokens",
+            f"PagedLatentCache of num_layers={num_layers} x num_blocks={num_blocks} "
+            f"x block_size={block_size}",
             num_layers * per_layer * layout.row_bytes,
             device,
+            "num_blocks, block_size or num_layers",
         )
         check_allocation(
-            f"PagedLatentCache bookkeeping of {num_blocks} blocks and {max_batch} slots",
+            f"PagedLatentCache bookkeeping of num_blocks={num_blocks} and max_batch={max_batch}",
             num_blocks * HOST_BYTES_PER_BLOCK + max_batch * HOST_BYTES_PER_SLOT,
             "cpu",
+            "num_blocks or max_batch",
         )
         self.blocks = BlockManager(num_blocks, block_size, max_batch)
         self.cfg = cfg
