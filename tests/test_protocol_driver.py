@@ -83,8 +83,8 @@ class Driver:
         self.seen[slot] = [(c[:keep], k[:keep]) for c, k in self.seen[slot]]
 
     # ------------------------------------------------------------ operations
-    def run(self) -> None:
-        for _ in range(OPS):
+    def run(self, ops: int = OPS) -> None:
+        for _ in range(ops):
             op = self.rng.choice(["step"] * 6 + ["release", "rollback"])
             self.counts[op] = self.counts.get(op, 0) + 1
             if op == "step":
