@@ -254,3 +254,20 @@ def test_discard_gives_back_the_rows_and_refuses_a_committed_plan(kind):
         with pytest.raises(ValueError, match="plan is committed"):
             cache.discard(plan)
     assert before[0].shape == state(cache)[0].shape
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cache_made_under_inference_mode_still_sees_lowered_lengths(kind):
+    """Inference tensors keep no version counter: the plan then reads the lengths in full."""
+    layers = make_layers()
+    with torch.inference_mode():
+        cache = make_cache(kind)
+        step(layers, cache, randn(3, 4, H, seed=13))
+        plan = cache.plan(1, [0, 1])
+        layers[0](randn(2, 1, H, seed=14), plan)
+        cache.lengths[1] = 2
+        with pytest.raises(ValueError, match=r"stale.*lengths of slots \[1\]"):
+            layers[1](randn(2, 1, H, seed=14), plan)
+        cache.discard(plan)
+        step(layers, cache, randn(1, 1, H, seed=15), slots=[1])
+    assert cache.lengths.tolist() == [4, 3, 4]

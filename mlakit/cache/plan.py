@@ -172,8 +172,17 @@ class StepPlan:
         if cache is not None and not torch.compiler.is_compiling():
             seen, lengths = plan.seen, cache.lengths
             # `lengths` untouched since last seen (one attribute read, no tensor op): nothing to check
-            if seen is None or lengths is not seen[0] or lengths._version != seen[1]:
+            if seen is None or lengths is not seen[0] or seen[1] is None or lengths._version != seen[1]:
                 cache.check_step(plan)
+
+
+def lengths_seen(lengths: torch.Tensor) -> tuple:
+    """(lengths, its version counter): what `check_open` compares. An inference tensor keeps no version
+    (None): every check then reads the lengths (host values, still no tensor op)."""
+    try:
+        return lengths, lengths._version
+    except RuntimeError:
+        return lengths, None
 
 
 def _host_facts(plan: StepPlan) -> dict:

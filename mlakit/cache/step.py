@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mlakit.cache.checks import check_counts, check_positive, int_list
-from mlakit.cache.plan import StepPlan, make_plan
+from mlakit.cache.plan import StepPlan, lengths_seen, make_plan
 from mlakit.dispatch import check_mode
 from mlakit.rope import RotaryTable
 
@@ -90,7 +90,7 @@ class StepCache:
             self._table_of(slot_ids),
         )
         self._open = plan
-        plan.seen = (self.lengths, self.lengths._version)
+        plan.seen = lengths_seen(self.lengths)
         return plan
 
     def _rows_for(self, new_tokens, slots, batch) -> int:
@@ -174,7 +174,7 @@ class StepCache:
                 f"({[c[1] for c in changed]} -> {[c[2] for c in changed]})"
             )
             plan.check_open()
-        plan.seen = (self.lengths, self.lengths._version)
+        plan.seen = lengths_seen(self.lengths)
 
     def check_lengths(self) -> None:
         """Validate `lengths`, then settle them: an open plan whose slots' lengths changed goes stale,
@@ -213,7 +213,7 @@ class StepCache:
             else:
                 for s, st, n in zip(slots, starts, plan.counts.tolist(), strict=True):
                     keep[s] = st + n
-                plan.seen = (self.lengths, self.lengths._version)
+                plan.seen = lengths_seen(self.lengths)
         if plan is not None and plan.state != "open":
             self._open = None
         for s, (n, held) in enumerate(zip(keep, list(self._tokens()), strict=True)):
