@@ -106,6 +106,8 @@ class StepPlan:
     why: str | None = field(default=None, repr=False)
     seen: tuple | None = field(default=None, repr=False)
     host: StepPlan | None = field(default=None, repr=False)
+    # what `cache.write` takes: (c_kv shape, k_pe shape, dtype, device index), made once per plan
+    write_facts: tuple | None = field(default=None, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -169,7 +171,7 @@ class StepPlan:
                 "and make a new one with cache.plan(...)"
             )
         cache = plan.cache
-        if cache is not None and not torch.compiler.is_compiling():
+        if cache is not None and not torch.compiler.is_dynamo_compiling():
             seen, lengths = plan.seen, cache.lengths
             # `lengths` untouched since last seen (one attribute read, no tensor op): nothing to check
             if seen is None or lengths is not seen[0] or seen[1] is None or lengths._version != seen[1]:
@@ -311,6 +313,12 @@ def make_plan(
         rope_k=rope_k,
         rope_q=rope_k.unsqueeze_heads(),
         lean=lean,
+        write_facts=(
+            (len(slots), seq_len, cache.cfg.kv_lora_rank),
+            (len(slots), seq_len, cache.cfg.qk_rope_head_dim),
+            cache.dtype,
+            -1 if device.index is None else device.index,
+        ),
     )
 
 

@@ -253,15 +253,31 @@ class StepCache:
         return plan.slots
 
     def _check_write(self, plan, layer, c_kv, k_pe) -> StepPlan:
-        """Checks of `write` (host facts only: no tensor op, no device sync); returns the plan's step,
-        on which the write then records `layer`."""
-        if not isinstance(plan, StepPlan) or plan.cache is not self:
+        """Checks of `write` (host facts only: no tensor op, no device sync; ~1 us when they pass);
+        returns the plan's step, on which the write then records `layer`."""
+        if type(plan) is not StepPlan or plan.cache is not self:
             self._check_plan(plan)
         step = plan if plan.host is None else plan.host
         step.check_open()
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
-        cfg, rows = self.cfg, (plan.batch, plan.seq_len)
+        c_shape, k_shape, dtype, device = plan.write_facts
+        ok = (
+            isinstance(c_kv, torch.Tensor)
+            and isinstance(k_pe, torch.Tensor)
+            and c_kv.shape == c_shape
+            and k_pe.shape == k_shape
+            and c_kv.dtype is dtype
+            and k_pe.dtype is dtype
+            # the device index (-1: the CPU): cheaper than building torch.device objects
+            and c_kv.get_device() == k_pe.get_device() == device
+        )
+        if not ok:
+            self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe)
+        return step
+
+    def _refuse_write(self, rows: tuple, c_kv, k_pe) -> None:
+        cfg = self.cfg
         for name, t, width in (("c_kv", c_kv, cfg.kv_lora_rank), ("k_pe", k_pe, cfg.qk_rope_head_dim)):
             if not isinstance(t, torch.Tensor) or t.shape != (*rows, width):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -270,7 +286,6 @@ class StepCache:
                 raise ValueError(
                     f"{name} is {t.dtype} on {t.device}, the cache takes {self.dtype} on {self.device}"
                 )
-        return step
 
     def _check_entries(self, c_kv, k_pe) -> None:
         cfg = self.cfg
