@@ -247,6 +247,8 @@ class MLAAttention(nn.Module):
     def run(self, hidden_states: torch.Tensor, plan: StepPlan, *, check_finite: bool = False) -> torch.Tensor:
         """One layer of a planned step: checks (host facts only), then `_compute`."""
         plan.check_open()
+        if plan.cache is not None and not torch.compiler.is_dynamo_compiling():
+            plan.claim(self.layer_idx, self)
         self._check_hidden(hidden_states)
         if tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
             raise ValueError(

@@ -121,7 +121,10 @@ def test_commit_refuses_a_step_a_layer_never_wrote(kind, how, monkeypatch):
         plan = a.plan(1)
         if how == "duplicate-idx":
             twin = make_layer(CFG, seed=99)  # a second module built with layer_idx 0
-            run([layers[0], twin], h, plan)
+            layers[0](h, plan)
+            layers[0](h, plan)  # the same module again (a retry): its rows, rewritten
+            with pytest.raises(ValueError, match="layer_idx 0 already ran this step in another module"):
+                twin(h, plan)
         elif how == "a-layer-raised":
             monkeypatch.setattr(layers[1].kv_a_proj_with_mqa, "forward", lambda x: 1 / 0)
             with pytest.raises(ZeroDivisionError):

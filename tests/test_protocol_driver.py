@@ -194,7 +194,13 @@ class Driver:
             cache.release(slot) if kind == "release-out" else cache.lengths.__setitem__(slot, keep)
             self.dropped(slot, keep)
         elif kind == "duplicate" and i < 2:
-            self.twin(x, run_on)  # writes layer 0's rows where layer i should have run
+            if i == 0:
+                self.twin(x, run_on)  # layer_idx 0 in another module: it runs first, layer 1 never runs
+            else:
+                before = state(cache)
+                with pytest.raises(ValueError, match="already ran this step in another module"):
+                    self.twin(x, run_on)
+                assert_same(cache, before, "a second module with layer_idx 0")
             with pytest.raises(ValueError, match="did not write this step"):
                 cache.commit(plan)
             cache.discard(plan)

@@ -103,6 +103,8 @@ class StepPlan:
     # and its version when last seen (a cheap test that nothing lowered a slot's length since), and
     # the plan whose step this one serves (itself; another after `copy_from`: what a graph replays)
     ran: set = field(default_factory=set, repr=False)
+    # layer_idx -> id of the module that ran it: each layer_idx runs a step in one module only
+    owners: dict = field(default_factory=dict, repr=False)
     why: str | None = field(default=None, repr=False)
     seen: tuple | None = field(default=None, repr=False)
     host: StepPlan | None = field(default=None, repr=False)
@@ -154,6 +156,17 @@ class StepPlan:
         # a replay writes exactly the layers the capture ran: recorded on the step it now serves
         other.ran |= self.ran
         self.host = other
+
+    def claim(self, layer_idx: int, module) -> None:
+        """Record that `module` runs layer `layer_idx` of this step; a second module with the same
+        layer_idx is refused (two layers of a stack built with one index) before it writes. The same
+        module may run again (a retry after it raised rewrites the same rows)."""
+        step = self if self.host is None else self.host
+        if step.owners.setdefault(layer_idx, id(module)) != id(module):
+            raise ValueError(
+                f"layer_idx {layer_idx} already ran this step in another module: two layers of the stack "
+                "have the same layer_idx (MLAAttention(cfg, layer_idx=i) for layer i)"
+            )
 
     @property
     def step(self) -> StepPlan:
