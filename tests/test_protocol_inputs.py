@@ -101,11 +101,15 @@ def test_from_hf_mistral_large4_text_without_rms_norm_eps_takes_transformers_def
 
 
 @pytest.mark.parametrize("key", ["num_hidden_layers", "max_position_embeddings", "model_type"])
-def test_from_hf_refuses_json_null(key):
+def test_from_hf_reads_json_null_as_absent_as_documented(key):
+    from mlakit.hf.config import NULL_AS_ABSENT
+
     d = hf_config("v32").to_dict()
-    d[key] = None
-    with pytest.raises(ValueError, match=f"{key}: null"):
-        MLAConfig.from_hf(d)
+    d.pop("index_topk")  # a model_type-free DSA config: read without its family's indexer rope table
+    d["indexer_rope_interleave"] = False
+    nulled, dropped = dict(d, **{key: None}), {k: v for k, v in d.items() if k != key}
+    assert MLAConfig.from_hf(nulled) == MLAConfig.from_hf(dropped)
+    assert key in NULL_AS_ABSENT
 
 
 def paged_inputs():

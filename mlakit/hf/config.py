@@ -39,8 +39,10 @@ _INDEXER_ROPE_INTERLEAVE = {
 }
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-# keys whose absence has a default here, and a JSON null is refused (no transformers config writes one)
-_NOT_NULL = {"num_hidden_layers": "1 layer", "max_position_embeddings": "4096", "model_type": "no family"}
+# keys whose absence has a default here; a JSON null reads as absent (as transformers' config classes
+# take None for "use the default"): num_hidden_layers -> 1, max_position_embeddings -> 4096,
+# model_type -> "" (no family: the rope layout and latent eps then follow the generic rules)
+NULL_AS_ABSENT = {"num_hidden_layers": 1, "max_position_embeddings": 4096, "model_type": ""}
 # transformers' defaults (5.24) for a DSA config that leaves them out: every DSA config class
 # defaults index_topk to 2048 (and runs sparse), and the configs whose latent norms read
 # rms_norm_eps default it to 1e-5
@@ -120,17 +122,14 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    """MLAConfig keyword arguments from a transformers config dict (a multimodal one: its text_config)."""
+    """MLAConfig keyword arguments from a transformers config dict (a multimodal one: its text_config).
+    A JSON null reads as an absent key wherever a default exists (`NULL_AS_ABSENT`, rope_scaling,
+    rope_parameters, attention_bias, rms_norm_eps, index_topk); the widths `_REQUIRED` are required."""
     if "kv_lora_rank" not in d and isinstance(d.get("text_config"), dict):
         d = d["text_config"]
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"config has no {', '.join(missing)}: not an MLA model config")
-    for key, absent in _NOT_NULL.items():
-        if key in d and d[key] is None:
-            raise ValueError(
-                f"config has {key}: null; expected a value (leave the key out for the default: {absent})"
-            )
     heads = checks.positive_int("num_attention_heads", d["num_attention_heads"])
     v_head_dim = d.get("v_head_dim")
     if v_head_dim is None:
