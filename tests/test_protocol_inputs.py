@@ -154,6 +154,36 @@ def test_refusals_name_their_argument():
 
 
 def test_check_of_a_dsa_model_at_1m_tokens_refuses_in_one_line(capsys):
+    from mlakit.commands.check import WORKSPACE_TOKENS
+    from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
+
+    assert WORKSPACE_TOKENS == DEFAULT_WORKSPACE_TOKENS
     assert main(["check", "--model", "deepseek-v3.2", "--prefill", "1M"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mlakit check: error:") and "--prefill" in err and "\n" not in err
+
+
+def test_sparse_materialize_holds_one_key_block_of_the_selection_at_a_time():
+    from mlakit.ops.sparse import sparse_absorb, sparse_materialize
+
+    new, keys, k = 96, 256, 8
+    case = dict(
+        q_nope=randn(1, new, 2, 8, seed=20),
+        q_pe=randn(1, new, 2, 4, seed=21),
+        c_kv=randn(1, keys, 16, seed=22),
+        k_pe=randn(1, keys, 4, seed=23),
+        kv_lens=torch.tensor([keys]),
+        w_uk=randn(2, 8, 16, seed=24),
+        w_uv=randn(2, 6, 16, seed=25),
+        scale=0.3,
+    )
+    scores = index_scores(randn(1, new, 2, 8, seed=26), randn(1, new, 2, seed=27), randn(1, keys, 8, seed=28),
+                          case["kv_lens"])  # fmt: skip
+    idx = select_topk(scores, k)
+    probe = LargestTensor()
+    with probe:
+        got, _ = sparse_materialize(**case, indices=idx, workspace_tokens=32)
+    want, _ = sparse_absorb(**case, indices=idx)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    print(f"largest tensor {probe.numel:,}, [S, T] {new * keys:,}")
+    assert probe.numel < new * keys // 2

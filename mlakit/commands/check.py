@@ -10,7 +10,9 @@ from mlakit.commands.memory import check_run_bytes
 
 DTYPES = ("bf16", "fp32")
 VALUE_BYTES = {"fp32": 4, "bf16": 2}
-MAX_DECODE_STEPS = 4096  # each step is one timed call per path; more is a benchmark, not a check
+MAX_DECODE_STEPS = 4096
+# ops.materialize.DEFAULT_WORKSPACE_TOKENS, kept here so that the command loads without torch (tested equal)
+WORKSPACE_TOKENS = 4096  # each step is one timed call per path; more is a benchmark, not a check
 
 
 def register(sub) -> None:
@@ -55,8 +57,8 @@ def run_path(layer, cfg, mode, prompt, steps, dtype):
 
 def dsa_bytes(cfg, batch: int, prefill: int, steps: int, value_bytes: int) -> int:
     """What a DSA layer adds to `check_run_bytes` (0 for dense MLA): the indexer keys of both caches,
-    the prefill's selection and the dense-masked path's per-query key mask (index scores are scored
-    a block of queries at a time within the score budget, counted in its slack)."""
+    the prefill's selection and the dense-masked path's key mask of one key block (index scores are
+    scored a block of queries at a time within the score budget, counted in its slack)."""
     if not cfg.is_sparse:
         return 0
     tokens = prefill + steps
@@ -64,7 +66,8 @@ def dsa_bytes(cfg, batch: int, prefill: int, steps: int, value_bytes: int) -> in
     return (
         2 * batch * tokens * cfg.index_head_dim * value_bytes  # indexer keys, one cache per path
         + 3 * picked * 8  # the selection (long), clamped rows and the hidden mask beside it
-        + batch * prefill * (tokens + 1)  # sparse-materialize: selected keys [B, S, T+1] bool
+        + batch * prefill * (min(tokens, WORKSPACE_TOKENS) + 1)  # sparse-materialize: one
+        # key block's selected keys [B, S, t+1] bool
     )
 
 

@@ -261,21 +261,29 @@ def sparse_materialize(
     batch, new = q_nope.shape[:2]
     keys = int(kv_lens.max()) if max_keys is None else max_keys
     hidden = selection_hidden(indices, kv_lens, new, key_mask)
-    selected = torch.zeros(batch, new, keys + 1, dtype=torch.bool, device=indices.device)
-    rows = torch.where(hidden | (indices >= keys), keys, indices)  # ignored entries land in a spare column
-    selected.scatter_(-1, rows, True)
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     out = lse = None
     for k0 in range(0, keys, workspace_tokens):
         k1 = min(keys, k0 + workspace_tokens)
-        seen = selected[:, :, k0:k1]  # [B, S, t]
+        seen = _selected_block(indices, hidden, k0, k1)  # [B, S, t]: never the whole [B, S, T]
         unseen = ~seen.any(dim=1)[..., None]  # [B, t, 1]: NaN-safe, as in absorb
         c, kp = (x[:, k0:k1].to(cd).masked_fill(unseen, 0) for x in (c_kv, k_pe))
         k, v = expand(c, kp, w_uk.to(cd), w_uv.to(cd))  # [B, H, t, dn+dr], [B, H, t, dv]
         part, part_lse = _masked_attention(q, k, v, ~seen, scale)
         out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
     return out.to(q_nope.dtype), lse
+
+
+def _selected_block(indices: torch.Tensor, hidden: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Bool [B, S, k1 - k0]: which keys k0..k1-1 each query selected (ignored entries land in a spare
+    column, dropped)."""
+    batch, new, _ = indices.shape
+    width = k1 - k0
+    out = torch.zeros(batch, new, width + 1, dtype=torch.bool, device=indices.device)
+    inside = ~hidden & (indices >= k0) & (indices < k1)
+    out.scatter_(-1, torch.where(inside, indices - k0, width), True)
+    return out[..., :width]
 
 
 def _masked_attention(q, k, v, hidden, scale):
