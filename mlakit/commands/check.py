@@ -10,7 +10,9 @@ from mlakit.commands.memory import check_run_bytes
 
 DTYPES = ("bf16", "fp32")
 VALUE_BYTES = {"fp32": 4, "bf16": 2}
-MAX_DECODE_STEPS = 4096  # each step is one timed call per path; more is a benchmark, not a check
+MAX_DECODE_STEPS = 4096
+# ops.materialize.DEFAULT_WORKSPACE_TOKENS, kept here so that the command loads without torch (tested equal)
+WORKSPACE_TOKENS = 4096  # each step is one timed call per path; more is a benchmark, not a check
 
 
 def register(sub) -> None:
@@ -56,6 +58,22 @@ def run_path(layer, cfg, mode, prompt, steps, dtype):
     return outs, t1 - t0, (t2 - t1) / max(1, len(steps))
 
 
+def dsa_bytes(cfg, batch: int, prefill: int, steps: int, value_bytes: int) -> int:
+    """What a DSA layer adds to `check_run_bytes` (0 for dense MLA): the indexer keys of both caches,
+    the prefill's selection and the dense-masked path's key mask of one key block (index scores are
+    scored a block of queries at a time within the score budget, counted in its slack)."""
+    if not cfg.is_sparse:
+        return 0
+    tokens = prefill + steps
+    picked = batch * prefill * min(cfg.index_topk, tokens)
+    return (
+        2 * batch * tokens * cfg.index_head_dim * value_bytes  # indexer keys, one cache per path
+        + 3 * picked * 8  # the selection (long), clamped rows and the hidden mask beside it
+        + batch * prefill * (min(tokens, WORKSPACE_TOKENS) + 1)  # sparse-materialize: one
+        # key block's selected keys [B, S, t+1] bool
+    )
+
+
 def rel_diff(a: list, b: list) -> float:
     num = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
     den = max(float(y.float().abs().max()) for y in b)
@@ -70,6 +88,7 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     cfg = resolve_model(args.model)
     need = check_run_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
+    need += dsa_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     check_memory(need, f"{cfg.name} at batch {args.batch}, prefill {args.prefill:,}", "--batch or --prefill")
     import torch
 

@@ -41,6 +41,8 @@ def patch(model: nn.Module, *, mode: str = "auto", strict: bool = True) -> nn.Mo
     layers with a warning that lists them. Returns `model`.
     """
     check_mode(mode)
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     sites, skipped = _attention_sites(model)
