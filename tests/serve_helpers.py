@@ -23,7 +23,7 @@ class CharTokenizer:
     chat_template = None
     eos_token_id = EOS
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
 
     def decode(self, ids) -> str:

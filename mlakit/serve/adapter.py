@@ -39,6 +39,11 @@ class EngineAdapter:
         out = self.tokenizer.encode(text)
         return list(getattr(out, "ids", out))
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` alone, without the special tokens a prompt gets (BOS)."""
+        out = self.tokenizer.encode(text, add_special_tokens=False)
+        return list(getattr(out, "ids", out))
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
 

@@ -86,6 +86,17 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         _authorize(state, request)
         return {"vocab_size": state.adapter.vocab_size, "max_model_len": state.adapter.max_model_len}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _authorize(state, request)
+        body = await _json(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise bad_request("prompt", "`prompt` must be a string")
+        special = body.get("add_special_tokens", True) is not False
+        ids = state.adapter.encode(text) if special else state.adapter.encode_plain(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.adapter.max_model_len}
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         _authorize(state, request)
