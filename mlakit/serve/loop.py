@@ -123,7 +123,9 @@ class EngineLoop:
         except ValueError as err:
             _deliver(loop, [(inbox, Update(rid, [], error=_engine_error(err)))])
             return
-        self._tracks[rid] = Track(rid, loop, inbox, arrival, len(ids), self.metrics)
+        track = Track(rid, loop, inbox, arrival, len(ids), self.metrics)
+        track.hold = max((len(s) - 1 for s in getattr(params, "stop", None) or ()), default=0)
+        self._tracks[rid] = track
 
     def _abort(self, rid: str) -> None:
         if self._tracks.pop(rid, None) is None:

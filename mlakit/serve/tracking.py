@@ -27,6 +27,8 @@ class Track:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self._seen: dict[int, tuple[str, int]] = {}  # choice index -> (text sent, tokens sent)
+        # text that may still turn out to begin a stop string is held back until it cannot (vLLM's rule)
+        self.hold = 0
 
     def advance(self, out, now: float) -> list[Delta]:
         deltas = [d for c in out.outputs if (d := self._delta(c)) is not None]
@@ -40,13 +42,13 @@ class Track:
 
     def _delta(self, c) -> Delta | None:
         sent_text, sent_tokens = self._seen.get(c.index, ("", 0))
+        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else None
         text = c.text or ""
-        # text only grows; should a longer piece have been sent than is now held, nothing is resent
-        new_text = text[len(sent_text) :] if text.startswith(sent_text) else ""
+        ready = text if reason is not None or not self.hold else text[: max(0, len(text) - self.hold)]
+        new_text = ready[len(sent_text) :] if ready.startswith(sent_text) else ""
         ids = list(c.token_ids or ())
         new_ids = ids[sent_tokens:]
         logprobs = list(c.logprobs[sent_tokens:]) if c.logprobs else None
-        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else None
         if not new_text and not new_ids and reason is None:
             return None
         self._seen[c.index] = (sent_text + new_text, len(ids))
