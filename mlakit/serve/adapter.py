@@ -62,9 +62,9 @@ class EngineAdapter:
 
     def stats(self) -> dict:
         """running, waiting, kv_cache_usage (0..1) from the engine when it tells; None where it does not."""
-        get = getattr(self.engine, "stats", None)
-        raw = get() if callable(get) else {}
-        raw = raw if isinstance(raw, dict) else vars(raw)
+        raw = getattr(self.engine, "stats", None)  # LLMEngine: a property giving an EngineStats
+        raw = raw() if callable(raw) else raw
+        raw = raw if isinstance(raw, dict) else vars(raw) if raw is not None else {}
         return {
             "running": raw.get("num_running", raw.get("running")),
             "waiting": raw.get("num_waiting", raw.get("waiting")),

@@ -95,7 +95,9 @@ class EngineLoop:
         try:
             while not self._stopping:
                 self._drain()
-                if self._tracks and self.adapter.engine.has_unfinished_requests():
+                # aborted requests are reported (and forgotten) by the engine's next step, so it steps
+                # while it has any, not only while a client waits
+                if self.adapter.engine.has_unfinished_requests():
                     self._step()
                 else:
                     self._publish_stats()
