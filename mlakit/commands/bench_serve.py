@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 
 from mlakit.commands.args import count_type
 
@@ -92,9 +93,7 @@ async def _bench(args) -> dict:
             raise ValueError(f"--base-url {args.base_url}: {type(err).__name__}: {err}") from None
         requests = await random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                          args.range_ratio, args.prefix_len, args.seed)  # fmt: skip
-        first = await client.send(server, requests[0])
-        if not first.ok:
-            raise ValueError(f"the first test request failed: {first.error}")
+        await _probe(server, requests[0])
         bar = client.progress(len(requests), not args.no_progress)
         results, duration = await client.run(server, requests, args.request_rate, args.max_concurrency,
                                              args.seed, bar)  # fmt: skip
@@ -105,6 +104,22 @@ async def _bench(args) -> dict:
                 "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
                 "max_concurrency": args.max_concurrency, "seed": args.seed}  # fmt: skip
     return summarize(results, duration, settings)
+
+
+async def _probe(server, req) -> None:
+    """One short request first (as vLLM does); a server that refuses `ignore_eos` is sent none after."""
+    from mlakit.serve.bench_client import send
+    from mlakit.serve.bench_data import BenchRequest
+
+    probe = BenchRequest(req.prompt, req.prompt_len, 2)
+    first = await send(server, probe)
+    if not first.ok and "ignore_eos" in first.error:
+        server.ignore_eos = False
+        print("mlakit bench-serve: the server refuses `ignore_eos`; outputs may end before --output-len "
+              "(the figures count the tokens that came back)", file=sys.stderr)  # fmt: skip
+        first = await send(server, probe)
+    if not first.ok:
+        raise ValueError(f"the first test request failed: {first.error}")
 
 
 async def _tokenizer(server, path: str | None):

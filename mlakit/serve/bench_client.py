@@ -26,6 +26,7 @@ class Server:
         self.endpoint = endpoint
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model: str | None = None
+        self.ignore_eos = True  # dropped for a server that refuses the field (e.g. `transformers serve`)
 
     async def get_json(self, path: str) -> dict:
         async with self.session.get(self.base + path, headers=self.headers) as resp:
@@ -40,8 +41,14 @@ class Server:
             return await resp.json()
 
     def payload(self, req: BenchRequest) -> dict:
-        body = {"model": self.model, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": self.model,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         if self.endpoint.endswith("chat/completions"):
             body["messages"] = [{"role": "user", "content": req.prompt}]
             body["max_completion_tokens"] = req.output_len
