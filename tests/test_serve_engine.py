@@ -207,3 +207,35 @@ def test_bounded_soak(url):
     assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
     wait_idle(url, 30)
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_the_documented_calls_run_as_written(url, tmp_path):
+    """docs/serve.md's curl and openai lines, against this server (its URL and model name swapped in)."""
+    import contextlib
+    import io
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "serve.md"), encoding="utf-8") as f:
+        doc = f.read()
+
+    def swap(text: str) -> str:
+        return text.replace("http://127.0.0.1:8000", url).replace('"demo"', '"tiny"')
+
+    python = next(b for b in re.findall(r"^```python\n(.*?)^```", doc, re.S | re.M) if "OpenAI(" in b)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(swap(python), "docs/serve.md", "exec"), {"__name__": "__doc__"})
+    assert "completion_tokens=16" in printed.getvalue()
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on this machine")
+    shell = next(b for b in re.findall(r"^```bash\n(.*?)^```", doc, re.S | re.M) if "curl" in b)
+    done = subprocess.run(
+        ["bash", "-c", swap(shell)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert (
+        done.returncode == 0 and '"object":"text_completion"' in done.stdout and "data: [DONE]" in done.stdout
+    )
