@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "calibrate",
     "serve",
     "bench_serve",
+    "generate",
 )
 
 

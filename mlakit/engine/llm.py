@@ -8,6 +8,8 @@ import time
 from mlakit.engine.engine import LLMEngine
 from mlakit.engine.params import RequestOutput, SamplingParams
 
+PROGRESS_EVERY = 5.0  # seconds
+
 
 class LLM:
     """`LLM(model, **engine keywords)`; `generate(prompts, sampling_params)` runs them to the end."""
@@ -54,13 +56,11 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                 now = time.perf_counter()
-                if use_tqdm and now - last > 1.0:
-                    last = now
-                    gen = eng.generation_tokens
+                if use_tqdm and now - max(last, start) > PROGRESS_EVERY:
+                    last = now  # a long run says where it is on stderr, one line every few seconds
                     print(
-                        f"\rgenerate: {len(done)}/{len(ids)} requests, {now - start:.0f} s, "
-                        f"{gen} tokens generated",
-                        end="",
+                        f"generate: {len(done)}/{len(ids)} requests done, {now - start:.0f} s, "
+                        f"{eng.generation_tokens} tokens generated",
                         file=sys.stderr,
                     )
         except BaseException:
@@ -69,8 +69,6 @@ class LLM:
                     eng.abort_request(rid)
             eng._report()
             raise
-        if use_tqdm and last:
-            print(file=sys.stderr)
         return [done[rid] for rid in ids]
 
 

@@ -37,6 +37,7 @@ class Schedule:
 def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, max_seqs: int) -> Schedule:
     """Pick this step's rows and chunks; admits and preempts through `kv`, updating both queues."""
     out = Schedule()
+    reserved = 0  # pages the rows scheduled so far will take at the plan
     by_need = sorted(running, key=lambda s: (len(s.tokens) - s.computed > 1, s.admitted))
     for seq in by_need:
         if seq not in running:
@@ -44,12 +45,13 @@ def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, 
         chunk = out.fits(len(seq.tokens) - seq.computed, budget)
         if chunk == 0:
             continue
-        while kv.need(seq, chunk) > kv.num_free:
+        while kv.need(seq, chunk) + reserved > kv.num_free:
             victim = _victim(running, out.seqs, seq)
             _preempt(victim, running, waiting, kv, out)
             if victim is seq:
                 break
         if seq.status == RUNNING:
+            reserved += kv.need(seq, chunk)
             out.seqs.append(seq)
             out.counts.append(chunk)
     if out.preempted:
@@ -62,8 +64,9 @@ def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, 
         if chunk == 0:
             break
         fresh = -(-(start + chunk) // kv.block_size) - len(pages)
-        if fresh + free_held > kv.num_free:
+        if fresh + free_held + reserved > kv.num_free:
             break
+        reserved += fresh
         waiting.pop(0)
         kv.admit(seq, pages)
         seq.status = RUNNING
