@@ -160,6 +160,11 @@ def line(name: str, c: int, r: dict) -> str:
 
 
 def report(result: dict, concs: list[int]) -> None:
+    if "mlakit" not in result:
+        for c, r in result.get("transformers", {}).get("rows", {}).items():
+            print(line("transformers serve", c, r))
+        print(result.get("transformers", {}).get("error", ""))
+        return
     print(f"{'server':<22} {'conc':>4} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>10} {'TPOT p50':>9} "
           f"{'ITL p50':>9} {'E2EL p50':>10}   (ms)")  # fmt: skip
     for c in concs:
@@ -210,6 +215,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads of every server and the engine")
     p.add_argument("--cache-memory", default="1GiB")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--only-transformers", action="store_true", help="only the transformers serve rows")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
@@ -219,9 +225,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     result = {"config": cfg, "concurrency": concs, "threads": args.threads, "machine": machine()}
-    result["mlakit"] = run_mlakit(cfg, concs, env, args.cache_memory)
-    size = (cfg["input_len"], cfg["output_len"], args.cache_memory)
-    result["offline"] = {c: offline(c, c * cfg["per_client"], *size) for c in concs}
+    if not args.only_transformers:
+        result["mlakit"] = run_mlakit(cfg, concs, env, args.cache_memory)
+        size = (cfg["input_len"], cfg["output_len"], args.cache_memory)
+        result["offline"] = {c: offline(c, c * cfg["per_client"], *size) for c in concs}
     if not args.skip_transformers:
         with tempfile.TemporaryDirectory() as folder:
             save_demo(folder)

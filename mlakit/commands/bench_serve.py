@@ -87,8 +87,8 @@ async def _bench(args) -> dict:
     async with aiohttp.ClientSession(timeout=client.TIMEOUT, connector=limit) as session:
         server = client.Server(session, args.base_url, args.endpoint, args.api_key)
         try:
-            server.model = args.model or (await server.get_json("/v1/models"))["data"][0]["id"]
             tokenizer = await _tokenizer(server, args.tokenizer)
+            server.model = args.model or (await server.get_json("/v1/models"))["data"][0]["id"]
         except aiohttp.ClientError as err:
             raise ValueError(f"--base-url {args.base_url}: {type(err).__name__}: {err}") from None
         requests = await random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,

@@ -75,6 +75,14 @@ class ServerTokenizer:
 
 
 async def send(server: Server, req: BenchRequest) -> Result:
+    result = await _send(server, req)
+    if result.error.startswith("ServerDisconnectedError"):
+        # a kept-alive connection the server had just closed (uvicorn closes idle ones after 5 s): once more
+        result = await _send(server, req)
+    return result
+
+
+async def _send(server: Server, req: BenchRequest) -> Result:
     result = Result(prompt_len=req.prompt_len)
     start = last = time.perf_counter()
     chunks = 0
