@@ -65,13 +65,14 @@ def bench(port: int, conc: int, prompts: int, input_len: int, output_len: int, e
         return json.load(open(out.name))
 
 
-def offline(conc: int, prompts: int, input_len: int, output_len: int, cache: str) -> dict:
+def offline(conc: int, prompts: int, input_len: int, output_len: int, cache: str, budget: int | None) -> dict:
     """The engine alone: `prompts` random-token requests, `conc` in flight at a time, tokens/s."""
     import random
 
     from mlakit.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine("demo", max_num_seqs=max(conc, 1), cache_memory=cache)
+    extra = {} if budget is None else {"max_num_batched_tokens": budget}
+    engine = LLMEngine("demo", max_num_seqs=max(conc, 1), cache_memory=cache, **extra)
     rng = random.Random(0)
     queue = [[rng.randrange(1000, 100_000) for _ in range(input_len)] for _ in range(prompts)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -96,21 +97,11 @@ def save_demo(folder: str) -> None:
     demo_tokenizer().save_pretrained(folder)
 
 
-def run_mlakit(cfg: dict, concs: list[int], env: dict, cache: str) -> dict:
+def run_mlakit(cfg: dict, concs: list[int], env: dict, cache: str, budget: int | None) -> dict:
+    serve = [sys.executable, "-m", "mlakit.cli", "serve", "--model", "demo", "--cache-memory", cache]
+    serve += [] if budget is None else ["--max-num-batched-tokens", str(budget)]
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlakit.cli",
-        "serve",
-        "--model",
-        "demo",
-        "--port",
-        str(port),
-        "--cache-memory",
-        cache,
-    ]
-    proc = start(cmd, port, env)
+    proc = start(serve + ["--port", str(port)], port, env)
     try:
         rows = {
             c: bench(port, c, c * cfg["per_client"], cfg["input_len"], cfg["output_len"], env) for c in concs
@@ -119,7 +110,7 @@ def run_mlakit(cfg: dict, concs: list[int], env: dict, cache: str) -> dict:
     finally:
         stop(proc)
     port = free_port()
-    proc = start(cmd[:-4] + ["--port", str(port), "--cache-memory", cache, "--no-prefix-caching"], port, env)
+    proc = start(serve + ["--port", str(port), "--no-prefix-caching"], port, env)
     try:
         no_prefix = bench(port, 1, 4, 32, 4, env, "--prefix-len", str(cfg["prefix_len"]))
     finally:
@@ -214,6 +205,7 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads of every server and the engine")
     p.add_argument("--cache-memory", default="1GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--only-transformers", action="store_true", help="only the transformers serve rows")
     p.add_argument("--json", default=None)
@@ -224,10 +216,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    cfg["max_num_batched_tokens"] = args.max_num_batched_tokens
     result = {"config": cfg, "concurrency": concs, "threads": args.threads, "machine": machine()}
     if not args.only_transformers:
-        result["mlakit"] = run_mlakit(cfg, concs, env, args.cache_memory)
-        size = (cfg["input_len"], cfg["output_len"], args.cache_memory)
+        result["mlakit"] = run_mlakit(cfg, concs, env, args.cache_memory, args.max_num_batched_tokens)
+        size = (cfg["input_len"], cfg["output_len"], args.cache_memory, args.max_num_batched_tokens)
         result["offline"] = {c: offline(c, c * cfg["per_client"], *size) for c in concs}
     if not args.skip_transformers:
         with tempfile.TemporaryDirectory() as folder:
