@@ -149,6 +149,7 @@ BAD = [
     ("min-p", {"prompt": "a", "min_p": 2}, 400, "min_p"),
     ("n-zero", {"prompt": "a", "n": 0}, 400, "n"),
     ("seed-type", {"prompt": "a", "seed": 1.5}, 400, "seed"),
+    ("seed-range", {"prompt": "a", "seed": 2**64}, 400, "seed"),
     ("stop-type", {"prompt": "a", "stop": 5}, 400, "stop"),
     ("stop-empty", {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("stop-ids", {"prompt": "a", "stop_token_ids": ["x"]}, 400, "stop_token_ids"),
@@ -186,6 +187,11 @@ def test_bad_requests(served, path, body, status, param):
 def test_bad_bodies_are_400(served, content):
     r = httpx.post(served[0].url + "/v1/completions", content=content)
     assert r.status_code == 400 and r.json()["error"]["param"] is None
+
+
+def test_non_finite_numbers_are_400(served):
+    r = httpx.post(served[0].url + "/v1/completions", content=b'{"prompt": "a", "temperature": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
 def test_api_key():
@@ -294,6 +300,30 @@ class FailingEngine(FakeEngine):
             self.fail = False
             raise RuntimeError("boom")
         return super().step()
+
+
+class RefusingEngine(FakeEngine):
+    def add_request(self, request_id, prompt, params):
+        if prompt[0] == ord("!"):
+            raise RuntimeError("cannot add")
+        if prompt[0] == ord("?"):
+            raise ValueError("top_k is not what this engine takes")
+        return super().add_request(request_id, prompt, params)
+
+
+def test_add_request_failures_stay_with_their_request():
+    server, _ = make_server(RefusingEngine())
+    try:
+        failed = httpx.post(server.url + "/v1/completions", json={"prompt": "!x", "max_tokens": 2})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "?x", "max_tokens": 2})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_k"
+        assert (
+            httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+            == 200
+        )
+    finally:
+        server.close()
 
 
 def test_a_failing_step_is_500_for_its_requests_and_the_server_lives_on():

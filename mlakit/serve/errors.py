@@ -46,3 +46,13 @@ def bad_api_key() -> APIError:
 def overloaded(waiting: int, limit: int) -> APIError:
     message = f"The server is overloaded: {waiting} requests are waiting (limit {limit}); retry later."
     return APIError(503, message, code="server_overloaded", headers={"Retry-After": "1"})
+
+
+def engine_refusal(err: ValueError) -> APIError:
+    """The engine refused a request: a 400 naming the field its message starts with, if any."""
+    message = str(err).splitlines()[0] if str(err) else "the engine refused the request"
+    known = ("max_tokens", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+             "stop_token_ids", "logprobs")  # fmt: skip
+    words = message.replace("`", " ").replace("=", " ").replace(":", " ").split()
+    param = next((w for w in words if w in known), None)
+    return APIError(400, message, param=param, code="invalid_value")

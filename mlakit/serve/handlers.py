@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from mlakit.serve.errors import APIError, bad_request, overloaded
-from mlakit.serve.loop import _engine_error
+from mlakit.serve.errors import APIError, bad_request, engine_refusal, overloaded
 from mlakit.serve.protocol import GenerateRequest
 from mlakit.serve.responses import Choice, Shaper, Usage
 
@@ -61,7 +60,7 @@ class Job:
             logprobs = self.req.logprobs
             return self.adapter.make_params(**self.req.sampling, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as err:
-            raise _engine_error(err) from None
+            raise engine_refusal(err) from None
 
     def _check_room(self, state) -> None:
         loop = state.loop

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mlakit.serve.errors import APIError
+from mlakit.serve.errors import APIError, engine_refusal
 from mlakit.serve.tracking import Track
 
 log = logging.getLogger("mlakit.serve")
@@ -122,8 +122,15 @@ class EngineLoop:
     def _add(self, rid, ids, params, loop, inbox, arrival) -> None:
         try:
             self.adapter.engine.add_request(rid, ids, params)
-        except ValueError as err:
-            _deliver(loop, [(inbox, Update(rid, [], error=_engine_error(err)))])
+        except Exception as err:  # refused (400) or failed (500): this request only, the loop goes on
+            if not isinstance(err, ValueError):
+                log.exception("add_request of %s failed", rid)
+            error = (
+                engine_refusal(err)
+                if isinstance(err, ValueError)
+                else APIError(500, repr(err), code="engine_error")
+            )
+            _deliver(loop, [(inbox, Update(rid, [], error=error))])
             return
         track = Track(rid, loop, inbox, arrival, len(ids), self.metrics)
         track.hold = max((len(s) - 1 for s in getattr(params, "stop", None) or ()), default=0)
@@ -132,8 +139,12 @@ class EngineLoop:
     def _abort(self, rid: str) -> None:
         if self._tracks.pop(rid, None) is None:
             return
-        with contextlib.suppress(ValueError):  # finished in the same step the client left
+        try:
             self.adapter.engine.abort_request(rid)
+        except ValueError:  # finished in the same step the client left
+            pass
+        except Exception:
+            log.exception("abort_request of %s failed", rid)
 
     def _step(self) -> None:
         try:
@@ -204,13 +215,3 @@ def _deliver(loop, items) -> None:
 
     with contextlib.suppress(RuntimeError):  # that event loop has closed: nobody is waiting
         loop.call_soon_threadsafe(put_all)
-
-
-def _engine_error(err: ValueError) -> APIError:
-    """The engine refused a request: a 400 naming the field its message starts with, if any."""
-    message = str(err).splitlines()[0] if str(err) else "the engine refused the request"
-    known = ("max_tokens", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-             "stop_token_ids", "logprobs")  # fmt: skip
-    words = message.replace("`", " ").replace("=", " ").replace(":", " ").split()
-    param = next((w for w in words if w in known), None)
-    return APIError(400, message, param=param, code="invalid_value")

@@ -70,7 +70,7 @@ def _sampling(body: dict, n: int) -> dict:
         "top_p": fields.number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
         "top_k": top_k,
         "min_p": fields.number(body, "min_p", 0.0, 1.0, 0.0),
-        "seed": fields.integer(body, "seed"),
+        "seed": fields.integer(body, "seed", -(2**63), 2**63 - 1 - fields.MAX_N),
         "stop": fields.stop_strings(body),
         "stop_token_ids": None if stop_ids is None else fields.token_ids(stop_ids, "stop_token_ids"),
         "ignore_eos": fields.boolean(body, "ignore_eos"),
