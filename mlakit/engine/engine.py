@@ -6,6 +6,7 @@ One step: schedule (running first, then waiting, one token budget) -> one `cache
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -91,6 +92,8 @@ class LLMEngine:
         self._changed: dict[str, Request] = {}
         self._arrivals = 0
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
+        # host seconds spent per part of the step (the benchmark reads them)
+        self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
 
     # ---- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -168,7 +171,9 @@ class LLMEngine:
     # ---- one step
     def step(self) -> list[RequestOutput]:
         """Run at most one plan; returns the requests that changed (finished ones once, last)."""
+        t0 = time.perf_counter()
         sched = schedule(self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        self.timings["schedule"] += time.perf_counter() - t0
         self.num_preemptions += len(sched.preempted)
         for seq in sched.admitted:
             if seq.cached_tokens < 0:
@@ -191,7 +196,9 @@ class LLMEngine:
             if start + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
+        t0 = time.perf_counter()
         plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width)
+        t1 = time.perf_counter()
         try:
             packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
             logits = self.runner.forward(plan, ids, positions, packed, keep)
@@ -204,6 +211,7 @@ class LLMEngine:
                 self.waiting.insert(0, seq)
             raise
         self.cache.commit(plan)
+        t2 = time.perf_counter()
         for seq, n in zip(sched.seqs, sched.counts, strict=True):
             seq.computed += n
             self.kv.register(seq)
@@ -212,6 +220,10 @@ class LLMEngine:
             tokens, lps = sample(logits, params, [s.generator for s in sampling], self.generator)
             for seq, token, lp in zip(sampling, tokens, lps, strict=True):
                 self._append(seq, token, lp)
+        t3 = time.perf_counter()
+        for name, dt in (("plan", t1 - t0), ("model", t2 - t1), ("sample", t3 - t2)):
+            self.timings[name] += dt
+        self.timings["steps"] += 1
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
         req, params = seq.request, seq.request.params

@@ -59,7 +59,7 @@ def _logprobs(logits, params, chosen) -> list[dict[int, float] | None]:
     if all(k is None for k in wanted):
         return [None] * len(params)
     lp = logits.log_softmax(-1)
-    k = max(k or 0 for k in wanted)
+    k = min(max(k or 0 for k in wanted), logits.shape[-1])
     top = lp.topk(k, dim=-1) if k else None
     out = []
     for i, want in enumerate(wanted):
