@@ -292,6 +292,20 @@ def test_32_concurrent_streams_and_one_engine_thread():
         server.close()
 
 
+def test_a_taken_port_is_refused_before_the_model_loads(capsys):
+    import socket
+
+    from mlakit.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "no-such-folder", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlakit serve: error: --port") and len(err.splitlines()) == 1
+
+
 class FailingEngine(FakeEngine):
     fail = True
 
@@ -336,3 +350,13 @@ def test_a_failing_step_is_500_for_its_requests_and_the_server_lives_on():
         assert again.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
     finally:
         server.close()
+
+
+def test_a_bad_model_is_one_line(capsys, tmp_path):
+    from serve_helpers import free_port
+
+    from mlakit.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mlakit serve: error: model") and "config.json" in err[-1]
