@@ -360,3 +360,15 @@ def test_a_bad_model_is_one_line(capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("mlakit serve: error: model") and "config.json" in err[-1]
+
+
+def test_chat_uses_the_tokenizers_template_when_it_has_one():
+    from serve_tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    adapter = EngineAdapter(FakeEngine(), tokenizer=tok, sampling_params_cls=SamplingParams)
+    ids = adapter.render_chat([{"role": "user", "content": "hi"}])
+    assert ids == tok.encode("<user>hi<assistant>", add_special_tokens=False)
+    plain = EngineAdapter(FakeEngine(), sampling_params_cls=SamplingParams)
+    assert plain.decode(plain.render_chat([{"role": "user", "content": "hi"}])) == "user: hi\nassistant:"
