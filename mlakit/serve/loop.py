@@ -165,9 +165,10 @@ class EngineLoop:
             if update.finished:
                 del self._tracks[out.request_id]
             batches[track.loop].append((track.inbox, update))
+        # the gauges first: a client that reads /metrics on its first chunk sees this step's state
+        self._publish_stats()
         for loop, items in batches.items():
             _deliver(loop, items)
-        self._publish_stats()
 
     def _fail_all(self, error: APIError) -> None:
         batches = defaultdict(list)
