@@ -24,6 +24,9 @@ COMMAND_MODULES = (
     "cp_check",
     "bench",
     "calibrate",
+    "serve",
+    "bench_serve",
+    "generate",
 )
 
 

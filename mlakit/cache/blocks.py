@@ -27,6 +27,15 @@ class BlockManager:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_slots", num_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        from mlakit.cache.checks import check_allocation
+
+        # a free-list entry per block and a table per slot, on the host: refused before building them
+        check_allocation(
+            f"BlockManager(num_blocks={num_blocks}, num_slots={num_slots})",
+            40 * num_blocks + 128 * num_slots,
+            "cpu",
+            "num_blocks or num_slots",
+        )
         self.num_blocks = num_blocks
         self.block_size = block_size
         # popped from the end: a fresh pool hands out blocks 0, 1, 2, ...

