@@ -463,22 +463,6 @@ def test_save_and_from_pretrained_round_trip(name, tmp_path):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", SUPPORTED_IDS)
-def test_refusals_by_design(name):
-    model = mhf.patch(tiny_model(name))
-    ids, mask = prompts(seed=10)
-    batch, width = ids.shape
-    with torch.no_grad():
-        with pytest.raises(ValueError, match="output_attentions"):
-            model(ids, attention_mask=mask, output_attentions=True)
-        custom = torch.ones(batch, 1, width, width, dtype=torch.bool)  # bidirectional: a custom 4D mask
-        with pytest.raises(ValueError, match="not a causal mask"):
-            model(ids, attention_mask=custom)
-        packed = torch.tensor([[0, 1, 2, 0, 1, 2]])  # two sequences packed in one row
-        with pytest.raises(ValueError, match="not a causal mask"):
-            model(torch.arange(4, 10)[None], position_ids=packed, use_cache=False)
-
-
 class Wrapper(nn.Module):
     """What a quantization or LoRA library puts in place of a Linear."""
 

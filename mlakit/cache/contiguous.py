@@ -224,10 +224,17 @@ class LatentCache(StepCache):
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
         step = self._check_write(plan, layer, c_kv, k_pe)
         rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
-        c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
-            c_rows.index_put_(rows, c_kv)
-            k_rows.index_put_(rows, k_pe)
+            if torch.compiler.is_compiling():
+                # into the buffers themselves: a write into a layer's view makes inductor copy the
+                # whole buffer back at every layer (issue 23)
+                at = (torch.full_like(plan.write_rows, layer), plan.write_rows)
+                self._c_rows.index_put_(at, c_kv)
+                self._k_rows.index_put_(at, k_pe)
+            else:
+                c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
+                c_rows.index_put_(rows, c_kv)
+                k_rows.index_put_(rows, k_pe)
         step.ran.add(layer)
 
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +261,12 @@ class LatentCache(StepCache):
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         rows = plan.write_rows.reshape(-1)
+        keys = k_idx.detach().reshape(rows.numel(), -1)
         with torch.no_grad():
-            self._index_rows(layer).index_copy_(0, rows, k_idx.detach().reshape(rows.numel(), -1))
+            if torch.compiler.is_compiling():  # into the buffer itself, as in `write`
+                self._i_rows.index_put_((torch.full_like(rows, layer), rows), keys)
+                return
+            self._index_rows(layer).index_copy_(0, rows, keys)
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I]: a view when its slots are consecutive."""

@@ -18,6 +18,7 @@ from mlakit.cache.quant import (
     hadamard,
     index_groups,
     index_rotated,
+    put_fields,
     quantize,
     token_layout,
 )
@@ -307,6 +308,10 @@ class PagedLatentCache(StepCache):
         step = self._check_write(plan, layer, c_kv, k_pe)
         lay = self.layout
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, plan.write_rows.reshape(-1), [(lay.latent, c_kv), (lay.rope, k_pe)])
+                step.ran.add(layer)
+                return
             if lay.quant is None:
                 # [B, S] rows index the pool directly: no reshape of the rows or the values
                 latent, rope = self._fields(layer)
@@ -314,31 +319,43 @@ class PagedLatentCache(StepCache):
                 rope.index_put_((plan.write_rows,), k_pe)
                 step.ran.add(layer)
                 return
-            rows = self._store[layer]
             target = plan.write_rows.reshape(-1)
             latent = c_kv.detach().reshape(target.numel(), -1)
             values, scale = quantize(latent, lay.quant)
-            # fp8 has no index_copy kernel: its bytes are copied as bytes
-            field_view(rows, lay.latent).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-            field_view(rows, lay.scale).index_copy_(0, target, scale)
-            field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
+            rope = k_pe.detach().to(lay.rope.dtype)
+            self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
         step.ran.add(layer)
+
+    def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
+        """Fields of token rows `target` [N] written by one `index_put_` of whole rows into the store:
+        under torch.compile, a write into a column, dtype or layer view of the store makes inductor
+        copy the whole store back at every write (issue 23)."""
+        store = self._store
+        if store.dtype == torch.uint8:
+            put_fields(store, layer, target, fields)
+            return
+        new = store[layer].index_select(0, target)  # [N, width]
+        for field, values in fields:
+            start = field.offset // field.dtype.itemsize
+            new[:, start : start + field.count] = values.reshape(target.numel(), -1)
+        store.index_put_((torch.full_like(target, layer), target), new)
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
         """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
         target = plan.write_rows.reshape(-1)
-        rows, lay = self._store[layer], self.layout
+        lay = self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
-            if lay.quant is None:
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, target, [(lay.index, keys)])
+            elif lay.quant is None:
                 self._field(layer, lay.index).index_copy_(0, target, keys)
             else:
                 if self.index_rotation:
                     keys = hadamard(keys)
                 groups = index_groups(keys.shape[-1], lay.quant)
                 values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
-                field_view(rows, lay.index).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-                field_view(rows, lay.index_scale).index_copy_(0, target, scale)
+                self._put_rows(layer, target, [(lay.index, values), (lay.index_scale, scale)])
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
