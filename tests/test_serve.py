@@ -372,3 +372,37 @@ def test_chat_uses_the_tokenizers_template_when_it_has_one():
     assert ids == tok.encode("<user>hi<assistant>", add_special_tokens=False)
     plain = EngineAdapter(FakeEngine(), sampling_params_cls=SamplingParams)
     assert plain.decode(plain.render_chat([{"role": "user", "content": "hi"}])) == "user: hi\nassistant:"
+
+
+def test_each_choice_finishes_once_in_a_stream():
+    from types import SimpleNamespace as NS
+
+    from mlakit.serve.tracking import Track
+
+    class Metrics:
+        def add(self, *a):
+            pass
+
+        def observe(self, *a):
+            pass
+
+    track = Track("r", None, None, 0.0, 3, Metrics())
+
+    def out(c0, c1, finished):
+        return NS(outputs=[c0, c1], finished=finished, num_cached_tokens=0)
+
+    done = NS(index=0, text="ab", token_ids=[1, 2], logprobs=None, finish_reason="length")
+    steps = [
+        out(
+            NS(index=0, text="a", token_ids=[1], logprobs=None, finish_reason=None),
+            NS(index=1, text="x", token_ids=[7], logprobs=None, finish_reason=None),
+            False,
+        ),
+        out(done, NS(index=1, text="xy", token_ids=[7, 8], logprobs=None, finish_reason=None), False),
+        out(done, NS(index=1, text="xyz", token_ids=[7, 8, 9], logprobs=None, finish_reason="length"), True),
+    ]
+    deltas = [d for i, o in enumerate(steps) for d in track.advance(o, float(i + 1))]
+    finishes = [(d.index, d.finish_reason) for d in deltas if d.finish_reason]
+    assert finishes == [(0, "length"), (1, "length")]
+    assert "".join(d.text for d in deltas if d.index == 0) == "ab"
+    assert "".join(d.text for d in deltas if d.index == 1) == "xyz"

@@ -27,6 +27,7 @@ class Track:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self._seen: dict[int, tuple[str, int]] = {}  # choice index -> (text sent, tokens sent)
+        self._done: set[int] = set()  # choices whose finish_reason was sent: each ends once
         # text that may still turn out to begin a stop string is held back until it cannot (vLLM's rule)
         self.hold = 0
 
@@ -41,6 +42,8 @@ class Track:
         return deltas
 
     def _delta(self, c) -> Delta | None:
+        if c.index in self._done:
+            return None
         sent_text, sent_tokens = self._seen.get(c.index, ("", 0))
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else None
         text = c.text or ""
@@ -52,6 +55,8 @@ class Track:
         if not new_text and not new_ids and reason is None:
             return None
         self._seen[c.index] = (sent_text + new_text, len(ids))
+        if reason is not None:
+            self._done.add(c.index)
         return Delta(c.index, new_text, new_ids, logprobs, reason)
 
     def _timing(self, out, now: float) -> None:
