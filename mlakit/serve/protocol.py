@@ -34,6 +34,7 @@ class GenerateRequest:
     model: str | None
     prompts: list  # completions: str | list[int] each; chat: one list of messages
     max_tokens: int | None  # None: the default for the endpoint, filled once the prompt is tokenized
+    max_tokens_field: str = "max_tokens"  # the name the client sent it under (errors name it)
     sampling: dict = field(default_factory=dict)  # SamplingParams keywords but max_tokens
     stream: bool = False
     include_usage: bool = False
@@ -53,7 +54,8 @@ def parse(body, chat: bool) -> GenerateRequest:
         chat=chat,
         model=fields.string(body, "model"),
         prompts=[_messages(body)] if chat else _prompts(body),
-        max_tokens=_max_tokens(body),
+        max_tokens=fields.integer(body, _max_tokens_field(body), 1),
+        max_tokens_field=_max_tokens_field(body),
         sampling=_sampling(body, n),
         stream=stream,
         include_usage=_include_usage(body, stream),
@@ -77,9 +79,8 @@ def _sampling(body: dict, n: int) -> dict:
     }
 
 
-def _max_tokens(body: dict) -> int | None:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return fields.integer(body, name, 1)
+def _max_tokens_field(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
