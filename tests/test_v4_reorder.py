@@ -116,3 +116,25 @@ def test_patched_reorder_cache_matches_unpatched():
     mhf.unpatch(model)
     assert_close("reordered", got, want, 1e-5)
     assert_close("selected", got_kept, want_kept, 1e-5)
+
+
+def test_patched_batch_repeat_interleave_matches_whole_runs():
+    """One prompt cached, repeated into 2 rows, each row its own next token: each as its whole run."""
+    model = _model()
+    torch.manual_seed(3)
+    ids, nxt = torch.randint(0, 64, (1, 37)), torch.randint(0, 64, (2, 1))
+    with torch.no_grad():
+        want = [model(torch.cat([ids, nxt[i : i + 1]], 1), use_cache=False).logits[:, -1:] for i in (0, 1)]
+        mhf.patch(model)
+        cache = model(ids, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(2)
+        got = model(nxt, cache=cache, use_cache=True).logits
+    mhf.unpatch(model)
+    assert_close("repeated", got, torch.cat(want), 1e-5)
+
+
+def test_reorder_refuses_while_a_plan_is_open():
+    cache = V4Cache(V4Config.from_hf(CFG), 2, 64)
+    cache.plan(3)
+    with pytest.raises(ValueError, match="plan is open"):
+        cache.reorder([1, 0])
