@@ -82,3 +82,27 @@ def test_layer_type_names_match_the_config():
     from mlakit.v4 import config
 
     assert cost_v4.LAYER_TYPES == config.LAYER_TYPES
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "mlakit.cli", *args], capture_output=True, text=True, check=False, cwd="."
+    )
+
+
+@pytest.mark.parametrize("cmd", ["cost", "cache"])
+def test_cli_refuses_context_0_on_v4(cmd):
+    extra = ["--new", "1"] if cmd == "cost" else []
+    out = _run(cmd, "--model", "deepseek-v4-pro", "--context", "0", *extra)
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr.strip() == f"mlakit {cmd}: error: --context must be >= 1, got 0"
+
+
+def test_cli_cost_says_roofline_flags_are_ignored_on_v4():
+    plain = _run("cost", "--model", "deepseek-v4-pro", "--context", "4K", "--new", "1", "--json")
+    assert plain.returncode == 0 and plain.stderr == ""
+    flags = ["--machine", "a100", "--counting", "independent", "--fused"]
+    out = _run("cost", "--model", "deepseek-v4-pro", "--context", "4K", "--new", "1", "--json", *flags)
+    assert out.returncode == 0 and json.loads(out.stdout) == json.loads(plain.stdout)
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "--machine, --counting, --fused ignored" in out.stderr

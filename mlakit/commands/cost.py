@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from mlakit.commands import emit_json
 from mlakit.commands import v4 as _v4
 from mlakit.commands.args import count_type, resolve_model
@@ -69,6 +71,9 @@ def check_tokens(name: str, value: int, low: int) -> None:
         raise ValueError(f"--{name} must be >= {low}, got {value}")
 
 
+DEFAULT_MACHINE = "h100"
+
+
 def register(sub) -> None:
     p = sub.add_parser("cost", help="every term of both paths, both totals and the predicted times")
     add_model_args(p)  # --context defaults to 4K as in crossover and cache
@@ -76,7 +81,7 @@ def register(sub) -> None:
         "--new", type=count_type("new", 1), required=True, help="new tokens attending to the context"
     )
     p.add_argument("--dtype", choices=CACHE_DTYPES, default="bf16", help="cache dtype (bf16)")
-    add_machine_arg(p, "h100")
+    add_machine_arg(p, DEFAULT_MACHINE)
     add_counting_arg(p)
     p.add_argument("--fused", action="store_true", help="materialize keeps expanded K/V on chip")
     p.set_defaults(func=run)
@@ -86,6 +91,8 @@ def run(args) -> int:
     check_tokens("context", args.context, 0)
     check_tokens("new", args.new, 1)
     if _v4.is_v4(args.model):
+        check_tokens("context", args.context, 1)  # as `mlakit cache` on a V4 model
+        _note_v4_ignored(args)
         return _v4.run_cost(args)
     cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine)
@@ -95,6 +102,25 @@ def run(args) -> int:
         return 0
     print_report(report)
     return 0
+
+
+def _note_v4_ignored(args) -> None:
+    """The V4 terms count multiply-adds and bytes only: say so when roofline flags were given."""
+    given = [
+        flag
+        for flag, changed in (
+            ("--machine", args.machine != DEFAULT_MACHINE),
+            ("--counting", args.counting != DEFAULT_COUNTING),
+            ("--fused", args.fused),
+        )
+        if changed
+    ]
+    if given:
+        print(
+            f"mlakit cost: {', '.join(given)} ignored for a V4 model (its terms are multiply-adds and "
+            "bytes read, no roofline)",
+            file=sys.stderr,
+        )
 
 
 def print_report(r: dict) -> None:

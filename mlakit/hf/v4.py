@@ -3,11 +3,14 @@
 The patched layer shares the original's parameters (no copy) and keeps its compressed state in a
 `V4Cache` attached to transformers' own cache layer (`cache.layers[i]`), whose length bookkeeping it
 advances as the original would, so `DynamicCache`, `generate` and the model's masks keep working.
-One sequence per row, no padding (transformers' compressors pool left padding into the first entries,
-so padded batches differ from their rows alone there too).
+Beam search follows: the layer's reorder_cache (and batch_select_indices / batch_repeat_interleave)
+reorder the V4Cache too. One sequence per row, no padding (transformers' compressors pool left padding
+into the first entries, so padded batches differ from their rows alone there too).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -97,12 +100,60 @@ class PatchedV4Attention(nn.Module):
                 layers=[self.layer_idx],
             )
             setattr(layer, _STATE, state)
+            _follow(layer)
         elif int(state.lengths[0]) != seen or state.batch_size != hidden.shape[0]:
             raise ValueError(
-                f"layer {self.layer_idx}: the cache was changed outside mlakit (cropped, reordered or "
+                f"layer {self.layer_idx}: the cache was changed outside mlakit (cropped or "
                 f"reset: {seen} tokens, mlakit holds {int(state.lengths[0])}); use a fresh cache"
             )
         return state
+
+
+def _follow(layer) -> None:
+    """Make transformers' batch edits of `layer` (beam search's reorder_cache, batch_select_indices,
+    batch_repeat_interleave) move mlakit's V4Cache too: each is checked by V4Cache.reorder first, so a
+    bad index is refused before either side changes. Bound per instance (deepcopy keeps them)."""
+    for name, fn in _FOLLOWED.items():
+        if not hasattr(type(layer), name):
+            continue
+        bound = getattr(layer, name)
+        if getattr(bound, "__func__", None) is not fn:
+            setattr(layer, name, types.MethodType(fn, layer))
+
+
+def _reorder_state(layer, index) -> None:
+    state = getattr(layer, _STATE, None)
+    if state is not None and layer.get_seq_length() > 0:
+        state.reorder(index)
+
+
+def _reorder_cache(layer, beam_idx) -> None:
+    _reorder_state(layer, beam_idx)
+    type(layer).reorder_cache(layer, beam_idx)
+
+
+def _batch_select_indices(layer, indices) -> None:
+    index = torch.as_tensor(indices)
+    if index.dtype == torch.bool:
+        index = index.nonzero().flatten()
+    _reorder_state(layer, index)
+    type(layer).batch_select_indices(layer, indices)
+
+
+def _batch_repeat_interleave(layer, repeats) -> None:
+    state = getattr(layer, _STATE, None)
+    if state is not None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+        _reorder_state(layer, torch.arange(state.batch_size).repeat_interleave(repeats))
+    type(layer).batch_repeat_interleave(layer, repeats)
+
+
+_FOLLOWED = {
+    "reorder_cache": _reorder_cache,
+    "batch_select_indices": _batch_select_indices,
+    "batch_repeat_interleave": _batch_repeat_interleave,
+}
 
 
 def _refuse_padding(mask, new: int) -> None:

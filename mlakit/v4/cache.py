@@ -224,6 +224,39 @@ class V4Cache:
         self.lengths[slot] = 0
         self.high[slot] = 0
 
+    def reorder(self, index) -> None:
+        """Rebuild the slots from `index` (beam search): new slot i is old slot index[i], every per-slot
+        state (window ring, compressed entries, compressor and indexer carried state, lengths, high-water
+        marks) with it. `index` may repeat or drop slots; its length is the new batch size."""
+        idx = self._check_index(index)
+        if self._open is not None:
+            raise ValueError("a plan is open; commit or discard it before reordering the cache")
+        b, n = self.batch_size, len(idx)
+        for st in self.state.values():
+            for name, t in st.items():
+                per = (t.shape[0] - 1) // b
+                new = t.new_zeros(n * per + 1, t.shape[1])
+                new[:-1] = t[:-1].view(b, per, -1).index_select(0, idx.to(t.device)).reshape(n * per, -1)
+                st[name] = new
+        self.lengths = self.lengths.index_select(0, idx)
+        self.high = [self.high[i] for i in idx.tolist()]
+        self.batch_size = n
+
+    def _check_index(self, index) -> torch.Tensor:
+        what = f"a 1-D sequence of at least one slot index in 0..{self.batch_size - 1}"
+        try:
+            idx = torch.as_tensor(index).detach().cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"index must be {what}, got {index!r}") from None
+        if idx.dim() != 1 or idx.numel() == 0 or idx.dtype.is_floating_point or idx.dtype.is_complex:
+            raise ValueError(f"index must be {what}, got {index!r}")
+        if idx.dtype == torch.bool:
+            raise ValueError(f"index must be {what} (not a boolean mask), got {index!r}")
+        bad = [int(i) for i in idx.tolist() if not 0 <= i < self.batch_size]
+        if bad:
+            raise ValueError(f"index must be {what}, got {index!r} (out of range: {bad})")
+        return idx.long()
+
     def lowest_exact(self, slot: int) -> int:
         """The lowest length above 0 `slot` can go back to: every ring still holds what it needs
         (exactness only grows with the length, so a bisection finds it)."""
