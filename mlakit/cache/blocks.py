@@ -42,6 +42,8 @@ class BlockManager:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         self.tokens: list[int] = [0] * num_slots
+        # while a list: every append / truncate is recorded there, so that `undo` can take it back
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -70,6 +72,7 @@ class BlockManager:
         table = self.tables[slot]
         table.extend(self.free.pop() for _ in range(grow))
         start = self.tokens[slot]
+        self._record("append", slot, grow, start)
         self.tokens[slot] = start + new_tokens
         size = self.block_size
         return [table[t // size] * size + t % size for t in range(start, start + new_tokens)]
@@ -81,10 +84,31 @@ class BlockManager:
         table = self.tables[slot]
         keep = blocks_for(tokens, self.block_size)
         freed = table[keep:]
+        self._record("truncate", slot, len(freed), self.tokens[slot])
         del table[keep:]
         self.free.extend(reversed(freed))
         self.tokens[slot] = tokens
         return freed
+
+    def _record(self, op: str, slot: int, blocks: int, tokens: int) -> None:
+        if getattr(self, "journal", None) is not None:
+            self.journal.append((op, slot, blocks, tokens))
+
+    def undo(self, journal: list) -> None:
+        """Take back the appends and truncations recorded in `journal`, newest first: the free list,
+        tables and token counts are as they were before the first (the same blocks in the same order)."""
+        for op, slot, blocks, tokens in reversed(journal):
+            table = self.tables[slot]
+            if op == "append":
+                moved = table[len(table) - blocks :]
+                del table[len(table) - blocks :]
+                self.free.extend(reversed(moved))
+            else:
+                moved = self.free[len(self.free) - blocks :]
+                del self.free[len(self.free) - blocks :]
+                table.extend(reversed(moved))
+            self.tokens[slot] = tokens
+        journal.clear()
 
     def release(self, slot: int) -> list[int]:
         """Free every block of `slot`."""

@@ -162,22 +162,40 @@ class LatentCache(StepCache):
     def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
         """Rows [B, S] of the step's tokens (padding: the spare row); records them as written. Rows of
         these slots past their lengths that held data (dropped tokens, a released request) are zeroed
-        in every layer first (every check has passed: this is the step's first change)."""
+        in every layer once the plan is made (`_reserved`: the step's first change to the buffers)."""
         spare = self.batch_size * self.max_seq_len
-        rows = []
+        rows, self._to_zero = [], []
         for slot, n in zip(slots, counts, strict=True):
             start = int(self.lengths[slot])
+            first = slot * self.max_seq_len
             if self._dirty[slot] > start:
-                first = slot * self.max_seq_len
-                with torch.no_grad():
-                    for rows_of_layer in self._aliases:
-                        for t in rows_of_layer:
-                            if t is not None:
-                                t[first + start : first + self._dirty[slot]].zero_()
-            real = [slot * self.max_seq_len + start + i for i in range(n)]
+                self._to_zero.append((first + start, first + self._dirty[slot]))
+            real = [first + start + i for i in range(n)]
             rows.append(real + [spare] * (seq_len - n))
             self.written[slot] = self._dirty[slot] = start + n
         return torch.tensor(rows, dtype=torch.long)
+
+    def _reserved(self) -> None:
+        with torch.no_grad():
+            for lo, hi in self.__dict__.pop("_to_zero", ()):
+                for rows_of_layer in self._aliases:
+                    for t in rows_of_layer:
+                        if t is not None:
+                            t[lo:hi].zero_()
+
+    def _undo_point(self) -> tuple[list[int], list[int]]:
+        return list(self.written), list(self._dirty)
+
+    def _undo(self, point) -> None:
+        self.written[:], self._dirty[:] = point
+        self.__dict__.pop("_to_zero", None)
+
+    def _zero_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """Zero token rows `rows` [N] of one layer (latent, rope key, indexer key)."""
+        with torch.no_grad():
+            for t in self._aliases[layer]:
+                if t is not None:
+                    t.index_fill_(0, rows, 0)
 
     def _index_rows(self, layer: int) -> torch.Tensor:
         return self._i_rows[layer] if torch.compiler.is_compiling() else self._aliases[layer][2]
@@ -259,7 +277,9 @@ class LatentCache(StepCache):
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
+        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
+        self._check_write_index(plan, layer, k_idx)
         rows = plan.write_rows.reshape(-1)
         keys = k_idx.detach().reshape(rows.numel(), -1)
         with torch.no_grad():

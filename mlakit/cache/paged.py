@@ -274,6 +274,23 @@ class PagedLatentCache(StepCache):
         self.last_slot_mapping = mapping
         return mapping
 
+    def _undo_point(self) -> tuple:
+        self.blocks.journal = []  # recorded until the plan is made (`_reserved`) or undone
+        return self.blocks.journal, self.last_slot_mapping
+
+    def _undo(self, point) -> None:
+        journal, self.last_slot_mapping = point
+        self.blocks.undo(journal)
+        self.blocks.journal = None
+
+    def _reserved(self) -> None:
+        self.blocks.journal = None
+
+    def _zero_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """Zero token rows `rows` [N] of one layer (every field: a zero latent, scale, rope key)."""
+        with torch.no_grad():
+            self._store[layer].index_fill_(0, rows, 0)
+
     def _bucket(self, keys: int) -> int:
         return key_bucket(keys, multiple=self.block_size)
 
@@ -341,7 +358,9 @@ class PagedLatentCache(StepCache):
         store.index_put_((torch.full_like(target, layer), target), new)
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
+        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
+        self._check_write_index(plan, layer, k_idx)
         target = plan.write_rows.reshape(-1)
         lay = self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)

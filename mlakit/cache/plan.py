@@ -124,9 +124,11 @@ class StepPlan:
         """Refill this plan's device tensors with those of `other`, an open plan of the same cache, slots,
         counts and shapes (one bucket): what a captured CUDA graph replays with. Every host fact must
         match (a ValueError names the first that differs: capture another graph). From then on this
-        plan serves `other`'s step: the layers that run it (eagerly or replayed) write `other`'s rows,
-        so `other` takes the record of the layers this plan ran when it was captured, and using this
-        plan is checked against `other` (stale, committed, ...)."""
+        plan serves `other`'s step: the layers run on it eagerly write `other`'s rows and record it on
+        `other`; using this plan is checked against `other` (stale, committed, ...). A graph replay
+        runs no Python, so it records nothing: after `graph.replay()` call `mark_replayed()`, which
+        credits `other` with the layers this plan ran when it was captured (else `commit(other)` is
+        refused: a refill alone writes no row)."""
         if not isinstance(other, StepPlan):
             raise ValueError(f"other must be a StepPlan from cache.plan(...), got {type(other).__name__}")
         other.check_open()
@@ -153,9 +155,20 @@ class StepPlan:
         for dst, src in pairs:
             if dst is not None:
                 dst.copy_(src)
-        # a replay writes exactly the layers the capture ran: recorded on the step it now serves
-        other.ran |= self.ran
         self.host = other
+
+    def mark_replayed(self) -> None:
+        """Record that a graph captured with this plan was replayed after `copy_from(other)`: `other` is
+        credited with the layers this plan ran at capture (exactly what the replay wrote), so that
+        `cache.commit(other)` accepts the step. Refused (ValueError) on a plan never refilled, or one
+        whose step is no longer open."""
+        if self.host is None or self.host is self:
+            raise ValueError(
+                "mark_replayed: this plan was never refilled; call captured.copy_from(plan) before the "
+                "replay, then captured.mark_replayed() after it"
+            )
+        self.host.check_open()
+        self.host.ran |= self.ran
 
     def claim(self, layer_idx: int, module) -> None:
         """Record that `module` runs layer `layer_idx` of this step; a second module with the same
@@ -287,15 +300,18 @@ def make_plan(
     bucket,
     rows_of,
     table_of=None,
+    paths: list[str] | None = None,
 ) -> StepPlan:
-    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows."""
+    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows (`paths`:
+    the path of each row when decided already)."""
     device = cache.device
     slot_t = torch.tensor(slots, dtype=torch.long)
     counts_t = torch.tensor(counts, dtype=torch.long)
     starts = cache.lengths[slot_t].clone()
     kv_lens = starts + counts_t
     positions = starts[:, None] + torch.arange(seq_len)  # [B, S]
-    paths = decide_paths(cache.cfg, starts.tolist(), counts, uniform, mode, profile)
+    if paths is None:
+        paths = decide_paths(cache.cfg, starts.tolist(), counts, uniform, mode, profile)
     ragged = bool((counts_t != seq_len).any())
     q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
     cos, sin = cache.rope.cos_sin(positions.to(device))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mlakit.cache.checks import check_counts, check_positive, int_list
-from mlakit.cache.plan import StepPlan, lengths_seen, make_plan
+from mlakit.cache.plan import StepPlan, decide_paths, lengths_seen, make_plan
 from mlakit.cache.protocol import StepBook
 from mlakit.dispatch import check_mode
 from mlakit.rope import RotaryTable
@@ -67,33 +67,56 @@ class StepCache(StepBook):
                 f"seq_len {width} is more tokens than one row of this cache can take "
                 f"({self.step_capacity}); expected the padded width of the step's hidden states"
             )
-        # every check passed: from here on the step's rows are reserved
+        # the path of each row: the last thing that can fail (a profile's `decide` may raise anything),
+        # decided before any change
+        starts = [lengths[s] for s in slot_ids.tolist()]
+        paths = decide_paths(self.cfg, starts, counts, uniform, mode, profile)
+        # every check passed: from here on the step's rows are reserved; should anything still fail
+        # (memory), the bookkeeping and the open plan are put back as they were
         old = self._open
-        if old is not None and old.state == "open":
-            old.state, old.why = "superseded", "a newer plan was made"
-        self._open = None
-        self._settle(lengths)
+        was = None if old is None else (old.state, old.why)
+        undo = self._undo_point()
         try:
+            if old is not None and old.state == "open":
+                old.state, old.why = "superseded", "a newer plan was made"
+            self._open = None
+            self._settle(lengths)
             write_rows = self._reserve(slot_ids.tolist(), counts, width)
+            plan = make_plan(
+                self,
+                slot_ids.tolist(),
+                counts,
+                uniform,
+                width,
+                mode,
+                profile,
+                write_rows,
+                self._bucket if bucket else _exact_keys,
+                self._rows_of(slot_ids),
+                self._table_of(slot_ids),
+                paths=paths,
+            )
         except BaseException:
-            self._settle(lengths)  # give back whatever was reserved
+            self._undo(undo)
+            if old is not None:
+                old.state, old.why = was
+            self._open = old
             raise
-        plan = make_plan(
-            self,
-            slot_ids.tolist(),
-            counts,
-            uniform,
-            width,
-            mode,
-            profile,
-            write_rows,
-            self._bucket if bucket else _exact_keys,
-            self._rows_of(slot_ids),
-            self._table_of(slot_ids),
-        )
+        self._reserved()
         self._open = plan
         plan.seen = lengths_seen(self.lengths)
         return plan
+
+    def _undo_point(self):
+        """What `_undo` needs to put the host bookkeeping back as it is now (cheap: no copy of a pool's
+        free list)."""
+        return None
+
+    def _undo(self, point) -> None:
+        """Put the bookkeeping back as it was at `point` (a plan that failed after its checks)."""
+
+    def _reserved(self) -> None:
+        """The plan is made: the changes to the buffers `_reserve` left for after (none by default)."""
 
     def _rows_for(self, new_tokens, slots, batch) -> int:
         if batch is not None:
@@ -112,7 +135,8 @@ class StepCache(StepBook):
 
         Refused (ValueError naming them) while a layer of the cache has not written the step's rows:
         every layer by default; `layers` (a list of layer indices) names the layers this step writes
-        when that is on purpose fewer (the rows of the others are then left as they were). A stale
+        when that is on purpose fewer (the step's rows in the layers that did not write are then
+        zeroed: they never show what a reused row held before). A stale
         plan (a slot released, a length changed since it was made) is refused too.
         """
         self._check_plan(plan)
@@ -128,6 +152,13 @@ class StepCache(StepBook):
                 "this plan, name the layers the step writes with commit(plan, layers=[...]), or "
                 "cache.discard(plan)"
             )
+        if layers is not None:
+            # the layers that did not write keep no stale rows under the new tokens (a reused page
+            # may hold a released request's latents): zeroed, as the contiguous cache's new rows are
+            rows = step.write_rows.reshape(-1)
+            for i in range(self.num_layers):
+                if i not in step.ran:
+                    self._zero_rows(i, rows)
         self.lengths[step.slots] = step.starts + step.counts
         step.state = "committed"
         self._open = None
@@ -196,6 +227,27 @@ class StepCache(StepBook):
         if not ok:
             self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe)
         return step
+
+    def _check_write_index(self, plan, layer, k_idx) -> None:
+        """Checks of `write_index` (host facts only, as `_check_write`): the plan open, `layer` in range,
+        k_idx [B, S, index_head_dim] in the cache's dtype and on its device."""
+        if type(plan) is not StepPlan or plan.cache is not self:
+            self._check_plan(plan)
+        plan.check_open()
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        width = self.cfg.index_head_dim
+        if not self.cfg.is_sparse:
+            raise ValueError("k_idx: this cache holds no indexer keys (its config is dense MLA, not DSA)")
+        want = (plan.batch, plan.seq_len, width)
+        device = plan.write_facts[3]
+        if not isinstance(k_idx, torch.Tensor) or k_idx.shape != want:
+            shape = tuple(k_idx.shape) if isinstance(k_idx, torch.Tensor) else type(k_idx).__name__
+            raise ValueError(f"k_idx has shape {shape}, the plan writes {want}")
+        if k_idx.dtype is not self.dtype or k_idx.get_device() != device:
+            raise ValueError(
+                f"k_idx is {k_idx.dtype} on {k_idx.device}, the cache takes {self.dtype} on {self.device}"
+            )
 
     def _refuse_write(self, rows: tuple, c_kv, k_pe) -> None:
         cfg = self.cfg
