@@ -119,13 +119,22 @@ def test_cli_capacity_json_and_arithmetic(capsys):
         (["--weights-memory", "1GB"], "--weights-memory needs --memory"),
         (["--model", "ax-k2", "--memory", "80GB"], "--weights-memory"),
         (["--memory", "80GB", "--tp", "256"], "tp=256 exceeds"),
+        (["--memory", "0", "--weights-memory", "0"], "--memory must be from 1 byte"),
+        (["--memory", "80GB", "--weights-memory=-1GB"], "--weights-memory takes a size"),
     ],
-    ids=["context-0", "bad-unit", "weights-alone", "no-parameters", "tp-too-many"],
+    ids=["context-0", "bad-unit", "weights-alone", "no-parameters", "tp-too-many", "memory-0", "weights-neg"],
 )
 def test_cache_refusals_are_one_line(argv, message, capsys):
     assert main(["cache", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_weights_memory_may_be_zero_as_capacity_takes_it(capsys):
+    d = run_json(capsys, "cache", "--model", "deepseek-v3", "--memory", "80GB", "--weights-memory", "0")
+    want = capacity(MLAConfig.preset("deepseek-v3"), 4096, 80 * 10**9, "bf16", weights_memory=0)
+    assert d["capacity"] == want and want["free_bytes_per_rank"] == 80 * 10**9
+    assert parse_bytes("0", "weights-memory", 0) == 0
 
 
 # ---- one answer for a DSA model
