@@ -119,13 +119,22 @@ def test_cli_capacity_json_and_arithmetic(capsys):
         (["--weights-memory", "1GB"], "--weights-memory needs --memory"),
         (["--model", "ax-k2", "--memory", "80GB"], "--weights-memory"),
         (["--memory", "80GB", "--tp", "256"], "tp=256 exceeds"),
+        (["--memory", "0", "--weights-memory", "0"], "--memory must be from 1 byte"),
+        (["--memory", "80GB", "--weights-memory=-1GB"], "--weights-memory takes a size"),
     ],
-    ids=["context-0", "bad-unit", "weights-alone", "no-parameters", "tp-too-many"],
+    ids=["context-0", "bad-unit", "weights-alone", "no-parameters", "tp-too-many", "memory-0", "weights-neg"],
 )
 def test_cache_refusals_are_one_line(argv, message, capsys):
     assert main(["cache", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_weights_memory_may_be_zero_as_capacity_takes_it(capsys):
+    d = run_json(capsys, "cache", "--model", "deepseek-v3", "--memory", "80GB", "--weights-memory", "0")
+    want = capacity(MLAConfig.preset("deepseek-v3"), 4096, 80 * 10**9, "bf16", weights_memory=0)
+    assert d["capacity"] == want and want["free_bytes_per_rank"] == 80 * 10**9
+    assert parse_bytes("0", "weights-memory", 0) == 0
 
 
 # ---- one answer for a DSA model
@@ -185,3 +194,35 @@ def test_cost_defaults_its_context_like_crossover_and_cache(capsys):
         == run_json(capsys, "crossover")["context"]
         == run_json(capsys, "cache")["context"]
     )
+
+
+def test_dsa_json_top_level_is_the_sparse_answer(capsys):
+    """Issue 23 item 4 in JSON: the top level of cost / crossover / cache is the DSA model's answer, the
+    dense layer's figures under "dense_layer"; dense models keep their keys as they were."""
+    v32 = MLAConfig.preset("deepseek-v3.2")
+    for context in ("128K", "1000"):
+        n = 131072 if context == "128K" else 1000
+        band = sparse_crossover(v32, n, "causal")
+        low, high = band or (None, None)
+        d = run_json(capsys, "cost", "--model", "deepseek-v3.2", "--context", context, "--new", "1")
+        assert d["fewer_macs"] == d["sparse"]["fewer_macs"] == "sparse-absorb" and d["faster"] is None
+        assert (d["crossover"]["exact"], d["crossover"]["below"]) == (low, high)
+        assert d["dense_layer"]["fewer_macs"] == "absorb" and d["dense_layer"]["crossover"]["exact"] > 100
+        r = run_json(capsys, "crossover", "--model", "deepseek-v3.2", "--context", context)
+        assert (r["exact"], r["below"]) == (low, high) and "asymptotic" not in r
+        assert r["by_counting"]["causal"] == {"exact": low, "below": high}
+        assert r["dense_layer"]["exact"] == d["dense_layer"]["crossover"]["exact"]
+        assert r["dense_layer"]["asymptotic"] == pytest.approx(512 * 256 / 768)
+    assert (
+        run_json(capsys, "cost", "--model", "deepseek-v3.2", "--context", "128K", "--new", "1")["crossover"][
+            "exact"
+        ]
+        is None
+    )  # never, where the dense layer says 170.6
+    c = run_json(capsys, "cache", "--model", "deepseek-v3.2", "--context", "128K")
+    assert c["mla_equivalent_gqa_groups"] == (576 + 128) / 256 == 2.75  # the mla+indexer row
+    assert c["dense_layer"]["mla_equivalent_gqa_groups"] == 2.25
+    for argv in (["cost", "--new", "1"], ["crossover"], ["cache"]):
+        assert "dense_layer" not in run_json(capsys, *argv, "--model", "deepseek-v3")
+    d = run_json(capsys, "cost", "--model", "deepseek-v3", "--new", "1")
+    assert d["fewer_macs"] == "absorb" and set(d["crossover"]) == {"exact", "asymptotic", "roofline"}

@@ -159,8 +159,16 @@ def test_a_failed_build_is_remembered_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_core, "cpu_has_bf16", lambda: True)
     ok, why = cpu_core._load()
-    assert not ok and "cannot compile" in why
-    assert cpu_core._load() == (False, why)  # the marker: no second attempt
+    assert not ok and "cannot compile" in why and "FileNotFoundError" in why
+    assert not list(tmp_path.rglob("*.failed"))  # no compiler: no marker, a compiler installed later builds
+    fail = tmp_path / "fail.sh"
+    fail.write_text("#!/bin/sh\necho 'error: bad source' >&2\nexit 1\n")
+    fail.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fail))
+    ok, why = cpu_core._load()
+    assert not ok and "bad source" in why and list(tmp_path.rglob("*.failed"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_core._load() == (False, why)  # the compiler's own error: remembered, no second attempt
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("MLAKIT_CPU_CORE_DIR", str(tmp_path / "a-file"))
     ok, why = cpu_core._load()  # no folder to build in: a reason, not an exception
@@ -207,3 +215,21 @@ def test_bench_says_which_core_runs():
     assert f"decode core: torch-float32 ({env['core_note']})" in header(doc)
     name, note = cpu_core.describe(torch.bfloat16)
     assert (name == "fused-avx512bf16") == cpu_core.available() and (note is None) == cpu_core.available()
+
+
+def test_bench_names_the_torch_core_where_the_widths_do_not_fit(monkeypatch):
+    from mlakit.bench.context import BenchContext
+    from mlakit.bench.results import environment
+
+    monkeypatch.setitem(cpu_core._state, "loaded", True)  # as if built: the widths alone decide
+    monkeypatch.setitem(cpu_core._state, "why", None)
+    cfg = tiny_config(kv_lora_rank=16, qk_rope_head_dim=4)
+    env = environment(BenchContext(cfg, torch.bfloat16, "cpu"))
+    assert env["core"] == "torch-float32" and "widths 16/4" in env["core_note"]
+    assert cpu_core.describe(torch.bfloat16, "cpu", tiny_config(kv_lora_rank=48, qk_rope_head_dim=4))[0] == (
+        "torch-float32"
+    )
+    assert cpu_core.describe(torch.bfloat16, "cpu", tiny_config(kv_lora_rank=64, qk_rope_head_dim=8)) == (
+        "fused-avx512bf16",
+        None,
+    )

@@ -430,7 +430,10 @@ def test_gqa_groups_and_equivalence(page):
         int(read(page)["rows"]["gqa16"]["bytes-per-sequence"]["value"]) == want["bytes_per_sequence"]["gqa16"]
     )
     choose_model(page, "glm-5")
-    assert float(read(page)["gqa_equivalent"]) == pytest.approx(576 / 448)
+    glm5 = MLAConfig.preset("glm-5")  # DSA: the latent and its indexer key, as `mlakit cache` says
+    want = (576 + glm5.index_head_dim) / 448
+    assert float(read(page)["gqa_equivalent"]) == pytest.approx(want)
+    assert cost.mla_equivalent_gqa_groups(glm5) == pytest.approx(want)
 
 
 @pytest.mark.browser

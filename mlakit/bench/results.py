@@ -93,7 +93,7 @@ def environment(ctx: BenchContext) -> dict:
             versions[name] = None
     device = ctx.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    core, core_note = describe(ctx.dtype, device)
+    core, core_note = describe(ctx.dtype, device, ctx.cfg)
     return {
         # the absorbed decode core "auto" runs (mlakit.ops.cpu_core), and why not the fused one
         "core": core,

@@ -72,7 +72,16 @@ def run(args) -> int:
             f"{name:<12} {values:>19,} {r['bytes_per_token_per_layer'][name]:>18,} "
             f"{per_token:>11} {per_seq:>13}"
         )
-    print(f"MLA caches as much as GQA with {r['mla_equivalent_gqa_groups']:.3g} groups at these head widths")
+    what = " (latent and indexer key)" if "dense_layer" in r else ""
+    print(
+        f"MLA{what} caches as much as GQA with {r['mla_equivalent_gqa_groups']:.3g} groups at these "
+        "head widths"
+        + (
+            f" ({r['dense_layer']['mla_equivalent_gqa_groups']:.3g} for the latent alone)"
+            if "dense_layer" in r
+            else ""
+        )
+    )
     if "indexer" in r:
         ix = r["indexer"]
         print(

@@ -15,8 +15,9 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.I
 MAX_BYTES = 2**53  # 9 PB: exact in the page's JavaScript numbers too
 
 
-def parse_bytes(text: str, name: str) -> int:
-    """'80GB' (80·10^9), '80GiB' (80·2^30), '1.5TB', '85899345920' → whole bytes >= 1."""
+def parse_bytes(text: str, name: str, low: int = 1) -> int:
+    """'80GB' (80·10^9), '80GiB' (80·2^30), '1.5TB', '85899345920' → whole bytes >= low (1; the weights
+    may be 0, as mlakit.cost.capacity takes them)."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in UNITS:
@@ -25,8 +26,9 @@ def parse_bytes(text: str, name: str) -> int:
             f"B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}"
         )
     value = math.floor(float(m.group(1)) * UNITS[unit] + 0.5)  # half up, as the page rounds
-    if not 1 <= value <= MAX_BYTES:
-        raise ValueError(f"--{name} must be from 1 byte to {MAX_BYTES:,} bytes (2^53), got {text!r}")
+    if not low <= value <= MAX_BYTES:
+        least = "1 byte" if low == 1 else f"{low:,} bytes"
+        raise ValueError(f"--{name} must be from {least} to {MAX_BYTES:,} bytes (2^53), got {text!r}")
     return value
 
 
@@ -56,7 +58,7 @@ def capacity_from_args(cfg, args, groups) -> dict | None:
             raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
         return None
     memory = parse_bytes(args.memory, "memory")
-    weights = None if args.weights_memory is None else parse_bytes(args.weights_memory, "weights-memory")
+    weights = None if args.weights_memory is None else parse_bytes(args.weights_memory, "weights-memory", 0)
     return capacity(
         cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype, groups
     )

@@ -143,9 +143,10 @@ def print_report(r: dict) -> None:
             f"{path:<12} {'total':<20} {_figures(t)}  (with shared projections: "
             f"{t['macs_with_shared']:,.0f} MACs, {format_seconds(t['time_s_with_shared'])})"
         )
-    c = r["crossover"]
+    d = r.get("dense_layer", r)  # a DSA model's top-level answer is the sparse one (its section below)
+    c = d["crossover"]
     dense = "dense layer: " if "sparse" in r else ""
-    print(f"{dense}fewer multiply-adds: {r['fewer_macs']}; predicted faster: {r['faster']}")
+    print(f"{dense}fewer multiply-adds: {d['fewer_macs']}; predicted faster: {d['faster']}")
     print(
         f"{dense}crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
         "(multiply-adds), "

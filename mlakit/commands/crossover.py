@@ -47,8 +47,28 @@ def crossover_result(
             "exact": roofline_crossover(cfg, context, machine, dtype, counting),
         }
     if cfg.is_sparse:
-        out["sparse"] = sparse_answer(cfg, context, counting)
+        out = sparse_top(cfg, context, counting, out)
     return out
+
+
+def sparse_top(cfg: MLAConfig, context: int, counting: str, dense: dict) -> dict:
+    """A DSA model's top level is its sparse answer (exact <= new < below, None: never, per counting);
+    the dense layer's figures (exact, asymptotic, by_counting, roofline) move under "dense_layer"."""
+    bands = {m: sparse_crossover(cfg, context, m) for m in MODELS}
+    keys = ("exact", "asymptotic", "by_counting", "roofline")
+    low, high = bands[counting] or (None, None)
+    return {
+        "model": cfg.name,
+        "context": context,
+        "counting": counting,
+        "exact": low,
+        "below": high,
+        "by_counting": {
+            m: dict(zip(("exact", "below"), b or (None, None), strict=True)) for m, b in bands.items()
+        },
+        "sparse": sparse_answer(cfg, context, counting),
+        "dense_layer": {k: dense[k] for k in keys if k in dense},
+    }
 
 
 def sparse_answer(cfg: MLAConfig, context: int, counting: str) -> dict:
@@ -84,6 +104,7 @@ def run(args) -> int:
     )
     if "sparse" in r:
         print_sparse_answer(r["sparse"])
+    r = r.get("dense_layer", r)  # the figures below: a DSA model's dense layer
     order = [args.counting] + [m for m in MODELS if m != args.counting]
     for m in order:
         tag = " (the default)" if m == DEFAULT_COUNTING else ""
@@ -92,7 +113,7 @@ def run(args) -> int:
     if machine is not None:
         roof = _tok(r["roofline"]["exact"])
         print(f"  roofline on {machine.name}, {args.dtype}, {args.counting} counting: {roof} new tokens")
-    if "sparse" in r:
+    if cfg.is_sparse:
         print("  (the dense layer's figures: a DSA model runs the sparse answer above)")
     else:
         print("  fewer new tokens than the crossover: absorb is cheaper; more: materialize")

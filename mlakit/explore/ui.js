@@ -340,7 +340,9 @@ function drawCache(state) {
   $("gqa-note").textContent = missing.length
     ? `GQA with ${missing.join(", ")} groups is not defined for ${state.w.num_heads} heads (1 < g < heads, g divides heads).`
     : "";
-  const equiv = layoutValues(lays.mla) / (state.w.qk_nope_head_dim + state.w.v_head_dim);
+  // a DSA model caches its indexer key beside the latent: its equivalence counts the mla+indexer row
+  const indexKey = isSparse(state.w) ? state.w.index_head_dim : 0;
+  const equiv = (layoutValues(lays.mla) + indexKey) / (state.w.qk_nope_head_dim + state.w.v_head_dim);
   setValue("gqa-equivalent", equiv, equiv.toFixed(2));
   $("sequence-label").textContent = groupDigits(state.context);
 }

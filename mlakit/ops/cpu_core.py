@@ -51,8 +51,9 @@ def fits(q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, key_mask=N
         return f"device {c_kv.device.type}"
     if c_kv.dtype != torch.bfloat16 or k_pe.dtype != torch.bfloat16:
         return f"cache dtype {c_kv.dtype} (bf16 only)"
-    if c_kv.shape[-1] % 32 or k_pe.shape[-1] % 2:
-        return f"widths {c_kv.shape[-1]}/{k_pe.shape[-1]} (latent a multiple of 32, rope even)"
+    widths = width_reason(c_kv.shape[-1], k_pe.shape[-1])
+    if widths is not None:
+        return widths
     if c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
         return "cache rows not contiguous"
     if torch.is_grad_enabled() and (q_lat.requires_grad or c_kv.requires_grad or k_pe.requires_grad):
@@ -144,23 +145,35 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mlakit_cpu.small_linear(x if x.stride(-1) == 1 else x.contiguous(), w)
 
 
-def core_name(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+def core_name(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -> str:
     """The absorbed decode core "auto" runs for a cache of `dtype` on `device` (for reports):
     "fused-avx512bf16" or "torch-<core dtype>". Builds the fused core if it is not built yet."""
-    return describe(dtype, device)[0]
+    return describe(dtype, device, cfg)[0]
 
 
-def describe(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str | None]:
-    """(core_name, why not the fused core: None where it runs or off a CPU)."""
+def width_reason(latent: int, rope: int) -> str | None:
+    """Why the fused core cannot take these widths (the rule `fits` applies), or None when it can."""
+    if latent % 32 or rope % 2:
+        return f"widths {latent}/{rope} (latent a multiple of 32, rope even)"
+    return None
+
+
+def describe(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -> tuple[str, str | None]:
+    """(core_name, why not the fused core: None where it runs or off a CPU). With `cfg` (an MLAConfig)
+    the width rule of `fits` applies too: a latent not a multiple of 32 or an odd rope runs the torch core.
+    """
     from mlakit.ops.common import core_dtype
 
     on_cpu = torch.device(device).type == "cpu"
-    if on_cpu and dtype == torch.bfloat16 and available():
+    widths = None if cfg is None else width_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if on_cpu and dtype == torch.bfloat16 and widths is None and available():
         return "fused-avx512bf16", None
     name = "torch-" + str(core_dtype(dtype, device)).removeprefix("torch.")
     if not on_cpu:
         return name, None
-    return name, unavailable_reason() or f"the fused core takes bf16 caches, not {dtype}"
+    if dtype != torch.bfloat16:
+        return name, unavailable_reason() or f"the fused core takes bf16 caches, not {dtype}"
+    return name, unavailable_reason() or widths
 
 
 def unavailable_reason() -> str | None:
@@ -186,9 +199,9 @@ def _load() -> tuple[bool, str | None]:
         if failed.exists():
             return False, failed.read_text()[-400:]
         if not lib.exists():
-            why = _build(lib)
+            why, lasting = _build(lib)
             if why is not None:
-                if "TimeoutExpired" not in why:  # a compile error stays one; a slow machine may do better
+                if lasting:  # a compile error stays one; no compiler or a slow machine may do better later
                     failed.write_text(why)
                 return False, why
     except OSError as e:  # no source, no writable cache folder
@@ -221,19 +234,21 @@ def _compile_command(out: Path) -> list[str]:
     return cmd
 
 
-def _build(lib: Path) -> str | None:
-    """Compile into a temporary name, then rename (another process may be loading the same path)."""
+def _build(lib: Path) -> tuple[str | None, bool]:
+    """Compile into a temporary name, then rename (another process may be loading the same path).
+    Returns (why it failed or None, whether the failure lasts): only the compiler's non-zero exit on this
+    source and these flags lasts; no compiler (OSError) or a timeout may do better on a later call."""
     tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
     try:
         run = subprocess.run(
             _compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"cannot compile {SOURCE.name}: {type(e).__name__}: {e}"
+        return f"cannot compile {SOURCE.name}: {type(e).__name__}: {e}", False
     if run.returncode != 0:
-        return f"cannot compile {SOURCE.name}: {run.stderr.strip()[-400:]}"
+        return f"cannot compile {SOURCE.name}: {run.stderr.strip()[-400:]}", True
     os.replace(tmp, lib)
-    return None
+    return None, False
 
 
 if __name__ == "__main__":  # python -m mlakit.ops.cpu_core: build (or report why not)

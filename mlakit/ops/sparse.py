@@ -26,6 +26,10 @@ from mlakit.ops.merge import merge
 
 # cached indexer keys scored per block (4096 × 128 fp32 = 2 MB)
 INDEX_KEY_BLOCK = 4096
+# score budgets one query block of `index_topk` may take at its peak, measured (tests/test_sparse_ops.py):
+# the fp32 scores, their hidden mask, index_scores' dot products and the selection's masks, int32 running
+# count and fp32 ranks held ~11x the block's scores; blocks of budget / 8 keep the whole peak ~1.5 budgets
+TOPK_WORKING_SET = 8
 # gathered latent values per chunk of queries (64 MB in fp32)
 GATHER_BUDGET = 1 << 24
 
@@ -99,9 +103,11 @@ def index_topk(
         raise ValueError(f"k (index_topk) must be a positive integer, got {k!r}")
     batch, new = q_idx.shape[:2]
     keys = int(kv_lens.max()) if max_keys is None else max_keys
-    step = query_chunk(batch, keys, new)
+    # a block holds its fp32 scores and the selection's working set beside them (TOPK_WORKING_SET)
+    step = query_chunk(batch * TOPK_WORKING_SET, keys, new)
     if step >= new:
-        return select_topk(index_scores(q_idx, weights, k_idx, kv_lens, key_mask=key_mask, max_keys=keys), k)
+        scores = index_scores(q_idx, weights, k_idx, kv_lens, key_mask=key_mask, max_keys=keys)
+        return _select_topk(scores, k)
     out = torch.empty(batch, new, min(k, keys), dtype=torch.long, device=q_idx.device)
     for s0 in range(0, new, step):
         s1 = min(new, s0 + step)
@@ -110,7 +116,8 @@ def index_topk(
         scores = index_scores(
             q_idx[:, s0:s1], weights[:, s0:s1], k_idx, lens, key_mask=key_mask, max_keys=keys
         )
-        out[:, s0:s1] = select_topk(scores, k)
+        out[:, s0:s1] = _select_topk(scores, k)
+        del scores
     return out
 
 
@@ -124,18 +131,26 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k (index_topk) must be a positive integer, got {k!r}")
-    keys = scores.shape[-1]
+    return _select_topk(scores.clone(), k)
+
+
+def _select_topk(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """`select_topk` on scores it may overwrite: beside them it holds about 7 bytes per score at once
+    (two bool masks, an int32 running count) and then one more score-sized fp32 array."""
+    keys = ranked.shape[-1]
     k = min(k, keys)
-    ranked = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    ranked = ranked.nan_to_num_(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # -inf kept
     kth = ranked.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [B, S, 1]
     above = ranked > kth
-    tie = ranked == kth
     need = k - above.sum(dim=-1, keepdim=True)
-    keep = above | (tie & (tie.cumsum(dim=-1) <= need))  # exactly k per query
+    tie = ranked == kth
+    keep = tie.cumsum(dim=-1, dtype=torch.int32) <= need
+    keep = keep.logical_and_(tie).logical_or_(above)  # exactly k per query
+    del tie, above
     # the kept positions, ascending: the k largest of keys - position (distinct, exact in fp32)
-    rank = torch.arange(keys, 0, -1, device=scores.device, dtype=torch.float32)
+    rank = torch.arange(keys, 0, -1, device=ranked.device, dtype=torch.float32)
     idx = torch.where(keep, rank, 0).topk(k, dim=-1).indices  # no host read, no data-dependent shape
-    return idx.masked_fill(torch.isneginf(scores.gather(-1, idx)), -1)
+    return idx.masked_fill(torch.isneginf(ranked.gather(-1, idx)), -1)
 
 
 def selection_hidden(
