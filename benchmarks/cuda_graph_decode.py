@@ -1,8 +1,9 @@
 """The planned decode step of an N-layer stack captured in one torch.cuda.CUDAGraph (issue 10).
 
 Per step: plan on the host (outside the graph), copy the plan's tensors into the static ones the graph
-was captured with (`StepPlan.copy_from`), replay, commit. Checks every replayed step against eager
-and prints per-step time eager vs graph. Without CUDA it prints "skipped: no CUDA" and exits 0.
+was captured with (`StepPlan.copy_from`), replay, `mark_replayed()` (the replay wrote every layer),
+commit. Checks every replayed step against eager and prints per-step time eager vs graph. Without
+CUDA it prints "skipped: no CUDA" and exits 0.
 
     PYTHONPATH=. python benchmarks/cuda_graph_decode.py [--layers 8] [--batch 8] [--context 1000]
 """
@@ -99,6 +100,7 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()
+            static.mark_replayed()  # the replay wrote every layer's rows of `plan`'s step
             torch.cuda.synchronize()
             t_graph += time.perf_counter() - t0
             got = out.clone()

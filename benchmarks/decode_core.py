@@ -1,16 +1,17 @@
-"""Absorbed decode at DeepSeek-V3 widths: the attention core against the machine's measured peaks.
+"""Absorbed decode at DeepSeek-V3 widths: the attention core in its forms, the whole step and its
+projections, against the machine's GEMM and read rates measured in the same run.
 
-For each (batch, cached) case: time the whole absorbed decode step of one layer, time its four
-projections alone on the same inputs, and call the difference the attention core. Its FLOPs are
-counted term by term (mlakit.cost) and compared with the machine's matmul rates measured in the same
-run; the whole step is compared with its roofline (projection weights read at the measured memory
-rate, the core at the matmul rate). Peak RSS growth of the step is reported too.
+1. GEMM rates: square 2048 and 4096 matmuls in bf16 and fp32; the read rate (a sum over 512 MB).
+2. The core (`mlakit.bench.cores`): new (what absorb runs: the fused CPU core where it can), the torch
+   core, the old core (before the fused one) and the plain three-op form, as GFLOP/s and % of the GEMM
+   rate of the dtype each multiplies in, with the speedups.
+3. The whole absorbed decode step of one layer and its four projections alone, against the time to
+   read their weights at the measured rate. Peak RSS growth of the step too.
 
-    python benchmarks/decode_core.py [--dtype bf16] [--cases 1x32768,8x8192] [--repeats 7] [--threads N]
+    python benchmarks/decode_core.py [--dtype bf16] [--cases 1x32768,8x8192] [--repeats 7] [--threads 1]
 
-Peaks and steps are measured with the same threads in the same run. On a shared machine, OpenMP
-threads that get preempted stall every parallel op for a scheduler slice: --threads 1 then gives the
-honest per-core figure.
+Times: CPU time of the process (min of repeats) and wall time (median). On a shared machine use
+--threads 1: the CPU time is then the honest per-core figure (a preempted process is not charged).
 """
 
 from __future__ import annotations
@@ -18,39 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import time
 
 import torch
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
-from mlakit.cost import absorb_macs
-from mlakit.ops.common import compute_dtype
+from mlakit.bench import cores
+from mlakit.bench.results import _cpu_name
+from mlakit.ops.cpu_core import cpu_has_bf16, describe
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def matmul_rate(dtype: torch.dtype, n: int, repeats: int) -> float:
-    """FLOP/s of an n×n×n matmul in `dtype` (best of repeats)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / min(timed(lambda: a @ b, repeats))
-
-
-def read_rate(repeats: int) -> float:
-    """Bytes/s of a sum over 512 MB (memory read rate)."""
-    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    return x.numel() * 4 / min(timed(lambda: x.sum(), repeats))
 
 
 def peak_rss() -> int:
@@ -83,7 +60,8 @@ def projection_bytes(layer: MLAAttention) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in mods)
 
 
-def run_case(layer, cfg, dtype, batch, cached, repeats, rates):
+def step_case(layer, cfg, dtype, batch, cached, repeats, read_gbs) -> dict:
+    """The whole decode step of one layer and its projections alone (CPU ms) vs the weights' read time."""
     cache = LatentCache(cfg, batch, cached + 1, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     cache.append(
@@ -100,30 +78,32 @@ def run_case(layer, cfg, dtype, batch, cached, repeats, rates):
         step()  # derives the up-projection weights once, outside the peak measured below
         reset_peak_rss()
         rss0 = peak_rss()
-        step_s = timed(step, repeats)
+        step_t = cores.timed(step, repeats)
         rss_growth = peak_rss() - rss0
-        proj_s = timed(lambda: projections(layer, x), repeats)
-    step_med, proj_med = statistics.median(step_s), statistics.median(proj_s)
-    core_s = max(step_med - proj_med, 1e-9)
-    macs = absorb_macs(cfg, 1, cached + 1)
-    core_flops = 2 * batch * sum(macs.values())
-    rate = rates["matmul_flops_compute"]
-    roof = projection_bytes(layer) / rates["read_bytes"] + core_flops / rate
+        proj_t = cores.timed(lambda: projections(layer, x), repeats)
+    read_ms = projection_bytes(layer) / read_gbs / 1e6
     return {
         "batch": batch,
         "cached": cached,
-        "step_ms": step_med * 1e3,
-        "step_ms_min": min(step_s) * 1e3,
-        "projections_ms": proj_med * 1e3,
-        "core_ms": core_s * 1e3,
-        "core_gflops": core_flops / 1e9,
-        "core_gflop_per_s": core_flops / core_s / 1e9,
-        "core_pct_of_dtype_matmul": 100 * core_flops / core_s / rates["matmul_flops_dtype"],
-        "core_pct_of_compute_matmul": 100 * core_flops / core_s / rate,
-        "step_pct_of_roofline": 100 * roof / step_med,
+        "step": step_t,
+        "projections": proj_t,
+        "weights_read_ms": read_ms,
+        "projections_vs_read": proj_t["cpu_ms"] / read_ms,
         "peak_rss_growth_mb": rss_growth / 2**20,
-        "macs_terms": macs,
     }
+
+
+def machine_line(threads: int) -> str:
+    caps = torch._C._cpu._get_cpu_capability()
+    isa = (
+        "AMX-BF16"
+        if caps.get("amx_bf16")
+        else "AVX512-BF16"
+        if cpu_has_bf16()
+        else ("AVX-512, no BF16" if caps.get("avx512_f") else "AVX2")
+    )
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    return f"{_cpu_name()} ({isa}), {os.cpu_count()} cores, {threads} threads; load average {load}"
 
 
 def main() -> None:
@@ -132,6 +112,7 @@ def main() -> None:
     ap.add_argument("--cases", default="1x32768,8x8192", help="batch x cached, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--no-step", action="store_true", help="the core only (no layer step, no projections)")
     ap.add_argument(
         "--threads", type=int, help="torch threads (default: torch's); 1 is robust on a shared machine"
     )
@@ -139,43 +120,42 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    cd = compute_dtype(dtype, "cpu")
-    cfg = MLAConfig.preset("deepseek-v3")
-    torch.manual_seed(0)
-    layer = MLAAttention(cfg, dtype=dtype).eval()
-    rates = {
-        "matmul_flops_dtype": matmul_rate(dtype, 1024 if dtype != torch.float32 else 2048, 3),
-        "matmul_flops_compute": matmul_rate(cd, 2048, 5),
-        "read_bytes": read_rate(5),
-    }
-    cores, threads = os.cpu_count(), torch.get_num_threads()
-    machine = f"{platform.processor() or platform.machine()}, {cores} cores, {threads} threads"
-    print(f"mlakit decode core, DeepSeek-V3 widths, {args.dtype} storage, {cd} compute")
-    print(f"torch {torch.__version__}")
+    core, note = describe(dtype, "cpu")
+    machine = machine_line(torch.get_num_threads())
+    print(f"mlakit decode core, DeepSeek-V3 widths, {args.dtype} storage; torch {torch.__version__}")
     print(f"machine: {machine}")
+    print(f"decode core: {core}" + (f" ({note})" if note else ""))
+    rates = cores.gemm_rates(args.repeats)
+    read_gbs = cores.read_rate(args.repeats)
     print(
-        f"measured: {args.dtype} matmul {rates['matmul_flops_dtype'] / 1e9:.1f} GFLOP/s, "
-        f"{cd} matmul {rates['matmul_flops_compute'] / 1e9:.1f} GFLOP/s, "
-        f"read {rates['read_bytes'] / 1e9:.1f} GB/s"
+        "GEMM rates (GFLOP/s, CPU time): "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in rates.items())
+        + f"; read {read_gbs:.1f} GB/s"
     )
-    rows = []
-    for case in args.cases.split(","):
-        batch, cached = (int(v) for v in case.lower().split("x"))
-        r = run_case(layer, cfg, dtype, batch, cached, args.repeats, rates)
-        rows.append(r)
-        print(
-            f"B{batch} T{cached}: step {r['step_ms']:.1f} ms (min {r['step_ms_min']:.1f}), projections "
-            f"{r['projections_ms']:.1f} ms, core {r['core_ms']:.1f} ms = {r['core_gflop_per_s']:.1f} GFLOP/s "
-            f"({r['core_pct_of_compute_matmul']:.0f}% of {cd} matmul, "
-            f"{r['core_pct_of_dtype_matmul']:.0f}% of {args.dtype} matmul); "
-            f"step at {r['step_pct_of_roofline']:.0f}% of roofline; "
-            f"peak RSS +{r['peak_rss_growth_mb']:.0f} MB"
-        )
+    doc = {"machine": machine, "core": core, "core_note": note, "gemm_gflop_per_s": rates}
+    doc.update({"read_gb_per_s": read_gbs, "torch": torch.__version__, "core_rows": [], "step_rows": []})
+    cases = [tuple(int(v) for v in c.lower().split("x")) for c in args.cases.split(",")]
+    for batch, cached in cases:
+        r = cores.core_case(batch, cached, rates, args.repeats, dtype)
+        doc["core_rows"].append(r)
+        print("core " + cores.case_line(r))
+    if not args.no_step:
+        cfg = MLAConfig.preset("deepseek-v3")
+        torch.manual_seed(0)
+        layer = MLAAttention(cfg, dtype=dtype).eval()
+        for batch, cached in cases:
+            r = step_case(layer, cfg, dtype, batch, cached, args.repeats, read_gbs)
+            doc["step_rows"].append(r)
+            print(
+                f"step B{batch} T{cached}: {r['step']['cpu_ms']:.1f} ms CPU (wall median "
+                f"{r['step']['wall_ms']:.1f}); projections {r['projections']['cpu_ms']:.1f} ms = "
+                f"{r['projections_vs_read']:.2f}x their weights' read time ({r['weights_read_ms']:.1f} ms); "
+                f"peak RSS +{r['peak_rss_growth_mb']:.0f} MB"
+            )
+    print(f"load average after: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"machine": machine, "rates": rates, "rows": rows, "torch": torch.__version__}, f, indent=2
-            )
+            json.dump(doc, f, indent=2)
 
 
 if __name__ == "__main__":

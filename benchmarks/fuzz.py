@@ -1,4 +1,5 @@
-"""A longer seeded fuzz run than CI's: configs, checkpoints, CLI argument garbage, fp8 error model.
+"""A longer seeded fuzz run than CI's: configs, checkpoints, CLI argument garbage, fp8 error model, the
+step protocol (random protocol drivers, garbage protocol calls during an open step).
 
 Prints, per class, how many cases ran and how many failed, and the failure classes (exception type and
 the start of its message) with a count and one example each. A case passes when it ends in a
@@ -305,9 +306,91 @@ def fuzz_fp8(rng: random.Random, n: int) -> Tally:
     return tally
 
 
-CLASSES = {"configs": fuzz_configs, "checkpoints": fuzz_checkpoints, "cli": fuzz_cli, "fp8": fuzz_fp8}
-# relative cost: the checkpoint and fp8 cases build files and layers
-SHARE = {"configs": 1.0, "checkpoints": 0.25, "cli": 0.5, "fp8": 0.1}
+# ---------------------------------------------------------------- the step protocol (issue 19)
+
+PROTOCOL_CALLS = ["plan", "commit", "discard", "write", "release", "copy_from", "append", "layer", "lengths"]
+
+
+def fuzz_protocol(rng: random.Random, n: int) -> Tally:
+    """Half the cases: a short run of tests/test_protocol_driver.py's driver (random seed, 30 operations,
+    checked against the fp64 stack). Half: one protocol call with garbage arguments while a step is
+    open; a refusal must change nothing (buffers, bookkeeping, the open plan), and whatever happened,
+    the next good step must run (no wedged cache)."""
+    from test_protocol_driver import Driver
+
+    tally = Tally("protocol")
+    for _ in range(n):
+        kind, seed = rng.choice(["contiguous", "paged"]), rng.randrange(2**31)
+        if rng.random() < 0.5:
+
+            def case(kind=kind, seed=seed):
+                with torch.no_grad():
+                    Driver(kind, seed).run(30)
+                return True
+
+            tally.run(case, lambda kind=kind, seed=seed: f"Driver({kind!r}, {seed}).run(30)")
+            continue
+        call = rng.choice(PROTOCOL_CALLS)
+        args = [garbage(rng) for _ in range(rng.randint(0, 4))]
+        tally.run(
+            lambda kind=kind, call=call, args=args: protocol_case(kind, call, args),
+            lambda kind=kind, call=call, args=args: f"{kind}: {call}(*{args!r}) during an open step",
+        )
+    return tally
+
+
+def protocol_case(kind: str, call: str, args: list) -> bool:
+    from protocol_helpers import assert_same, make_cache, make_layers, run, state
+
+    cache, layers = make_cache(kind), make_layers()
+    with torch.no_grad():
+        run(layers, torch.randn(3, 2, 32), first := cache.plan(2))
+        cache.commit(first)
+        plan = cache.plan(1, [0, 1])
+        layers[0](torch.randn(2, 1, 32), plan)
+        other = cache.plan(1, [0, 1]) if call == "copy_from" else None
+        plan = other or plan
+        calls = {
+            "plan": lambda *a: cache.plan(*a[:2], **dict(zip(("seq_len", "batch"), a[2:], strict=False))),
+            "commit": lambda *a: cache.commit(plan, layers=a[0] if a else None),
+            "discard": lambda *a: cache.discard(a[0] if a else plan),
+            "write": lambda *a: cache.write(plan, *a),
+            "release": lambda *a: cache.release(*a),
+            "copy_from": lambda *a: first.copy_from(a[0] if a else plan),
+            "append": lambda *a: cache.append(*a),
+            "layer": lambda *a: layers[1](torch.randn(2, 1, 32), plan, *a),
+            "lengths": lambda *a: cache.lengths.__setitem__(0, a[0] if a and isinstance(a[0], int) else 1),
+        }
+        before, was = state(cache), plan.state
+        try:
+            calls[call](*args)
+            accepted = True
+        except (ValueError, TypeError) as err:
+            if isinstance(err, TypeError) and "argument" not in str(err):
+                raise  # a TypeError from inside, not a wrong call signature
+            assert_same(cache, before, f"a refused {call}")
+            assert plan.state == was, f"a refused {call} changed the open plan ({was} -> {plan.state})"
+            accepted = False
+        try:  # whatever happened, the cache takes the next good step
+            if plan.state in ("open", "stale"):
+                cache.discard(plan)
+            cache.lengths.clamp_(0, 2)
+            run(layers, torch.randn(1, 1, 32), good := cache.plan(1, [2]))
+            cache.commit(good)
+        except ValueError as err:
+            raise AssertionError(f"wedged after {call}: {err}") from err
+    return accepted
+
+
+CLASSES = {
+    "configs": fuzz_configs,
+    "checkpoints": fuzz_checkpoints,
+    "cli": fuzz_cli,
+    "fp8": fuzz_fp8,
+    "protocol": fuzz_protocol,
+}
+# relative cost: the checkpoint and fp8 cases build files and layers, a protocol case runs a driver
+SHARE = {"configs": 1.0, "checkpoints": 0.25, "cli": 0.5, "fp8": 0.1, "protocol": 0.1}
 
 
 def main(argv=None) -> int:

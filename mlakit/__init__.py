@@ -17,9 +17,13 @@ _EXPORTS = {
     "PagedLatentCache": "mlakit.cache.paged",
     "PRESETS": "mlakit.config",
     "MLAConfig": "mlakit.config",
+    "V4Attention": "mlakit.v4.attention",
+    "V4Cache": "mlakit.v4.cache",
+    "V4Config": "mlakit.v4.config",
 }
 
 __all__ = ["PRESETS", "LatentCache", "MLAAttention", "MLAConfig", "PagedLatentCache", "__version__"]
+__all__ += ["V4Attention", "V4Cache", "V4Config"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -17,13 +18,12 @@ from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
 from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
-from mlakit.ops.common import compute_dtype
+from mlakit.ops.common import compute_dtype, core_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
-from mlakit.ops.paged import absorb_chunked
+from mlakit.ops.paged import absorb_chunked, page_rows
 from mlakit.ops.sparse import (
     gather_rows,
-    index_scores,
-    select_topk,
+    index_topk,
     sparse_absorb_gathered,
     sparse_materialize,
 )
@@ -185,7 +185,9 @@ class MLAAttention(nn.Module):
         check_finite: bool = False,
     ) -> torch.Tensor:
         """`new_tokens` [B] (optional) makes a ragged batch: row b brings its first new_tokens[b]
-        positions of `hidden_states` (the rest is padding, never read; its output is zero).
+        positions of `hidden_states` (the rest is padding, never read; its output is zero); one
+        integer is the count of every row, as `cache.plan` reads it. With a cache, this call plans,
+        runs and commits one layer: a cache of one layer only (several: plan / layers / commit).
         `check_finite=True` refuses NaN/inf at real positions (ValueError, cache unchanged; a host sync)."""
         if isinstance(cache, StepPlan):
             if mode != "auto" or slots is not None or new_tokens is not None:
@@ -215,6 +217,12 @@ class MLAAttention(nn.Module):
             out = self._compute(hidden_states, plan, None)
         else:
             self._check_cache(cache)
+            if cache.num_layers > 1:
+                raise ValueError(
+                    f"layer(hidden_states, cache) commits after one layer, but this cache holds "
+                    f"{cache.num_layers} layers: plan = cache.plan(...), then hidden = layer(hidden, plan) "
+                    "for every layer, then cache.commit(plan)"
+                )
             if check_finite:
                 _check_finite(hidden_states, None if counts is None else _valid(counts, new, self.device))
             plan = cache.plan(
@@ -239,6 +247,8 @@ class MLAAttention(nn.Module):
     def run(self, hidden_states: torch.Tensor, plan: StepPlan, *, check_finite: bool = False) -> torch.Tensor:
         """One layer of a planned step: checks (host facts only), then `_compute`."""
         plan.check_open()
+        if plan.cache is not None and not torch.compiler.is_dynamo_compiling():
+            plan.claim(self.layer_idx, self)
         self._check_hidden(hidden_states)
         if tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
             raise ValueError(
@@ -294,6 +304,9 @@ class MLAAttention(nn.Module):
         # (the plan has checked the rest: the cache's compute dtype is its storage dtype, which
         # `run` checked is the layer's, and DSA steps get no lean form)
         if torch.compiler.is_compiling() or not self.short_decode:
+            return False
+        # it multiplies in the storage dtype: a 16-bit cache on a CPU takes the fp32-score core instead
+        if core_dtype(self.dtype, self.device) != self.dtype:
             return False
         return not isinstance(plan.cache, PagedLatentCache) or (
             _absorb_backend(self.absorb_backend, plan.cache.device) == "torch"
@@ -500,8 +513,7 @@ class MLAAttention(nn.Module):
             if getattr(cache, "index_rotation", False):
                 # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
                 index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
-        scores = index_scores(*index_q, k_ctx, g.kv_lens, max_keys=g.key_len)  # [R, S, key_len]
-        picked = select_topk(scores, self.cfg.index_topk)  # [R, S, k]
+        picked = index_topk(*index_q, k_ctx, g.kv_lens, self.cfg.index_topk, max_keys=g.key_len)  # [R, S, k]
         w_uk, w_uv = self.up_weights()
         if g.path == "sparse-absorb":
             if cache is None:
@@ -553,7 +565,10 @@ class MLAAttention(nn.Module):
             )
         else:
             read = rows_reader(cache, layer, g.read_rows)
-            out, _ = absorb_chunked(q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len)
+            pages = page_rows(cache, layer, g.read_rows)
+            out, _ = absorb_chunked(
+                q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len, pages=pages
+            )
         self.last_backend = backend
         plan.backend = backend if plan.backend in (None, backend) else "mixed"
         return out
@@ -625,6 +640,8 @@ class MLAAttention(nn.Module):
             counts = int_list(new_tokens, "new_tokens")
         except ValueError as err:
             raise ValueError(f"new_tokens must be {batch} integers (one per row): {err}") from None
+        if isinstance(new_tokens, numbers.Integral):  # one count for every row, as cache.plan reads it
+            counts = counts * batch
         if len(counts) != batch:
             raise ValueError(
                 f"new_tokens must be {batch} integers (one per row), "

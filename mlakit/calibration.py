@@ -67,12 +67,17 @@ class CrossoverProfile:
 
     def decide(self, cfg: MLAConfig, new: int, context: int) -> str | None:
         """ "absorb" / "materialize" from the measurement, or None where it does not apply."""
-        if widths_of(cfg) != self.widths:
+        if widths_of(cfg) != self.widths or not self.consistent:
             return None
         point = self.crossover_at(context)
         if point is None:
             return "absorb" if new <= self.max_new else None
         return "absorb" if new < point else "materialize"
+
+    @property
+    def consistent(self) -> bool:
+        """False when calibrate's own checks failed (extra["consistent"]): mode="auto" ignores it."""
+        return self.extra.get("consistent", True) is not False
 
     def to_dict(self) -> dict:
         return {
@@ -141,7 +146,7 @@ def find_profile(
     if not os.path.isfile(path):
         return None
     profile = CrossoverProfile.load(path)
-    return profile if profile.matches(cfg, dtype, device) else None
+    return profile if profile.matches(cfg, dtype, device) and profile.consistent else None
 
 
 def attach(layer, folder: str | None = None) -> CrossoverProfile | None:

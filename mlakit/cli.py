@@ -24,6 +24,8 @@ COMMAND_MODULES = (
     "cp_check",
     "bench",
     "calibrate",
+    "serve",
+    "bench_serve",
     "generate",
 )
 

@@ -1,10 +1,12 @@
-"""Linear: nn.Linear whose 16-bit GEMMs run in fp32 on CPUs without native 16-bit matmuls."""
+"""Linear: nn.Linear whose 16-bit GEMMs run in fp32 on CPUs without native 16-bit matmuls, and whose
+bf16 products of a few rows (a decode step) run as one read of the weights on CPUs with AVX512-BF16."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from mlakit.ops import cpu_core
 from mlakit.ops.common import compute_dtype
 
 # rows from which converting weight blocks to fp32 beats torch's generic bf16 kernel (measured on a
@@ -13,6 +15,10 @@ from mlakit.ops.common import compute_dtype
 UPCAST_MIN_ROWS = 16
 # weight rows converted at once (256 × 7168 fp32 = 7 MB)
 WEIGHT_BLOCK = 256
+# rows up to which the fused core's few-row product (`cpu_core.small_linear`) beats torch's bf16 GEMM:
+# one read of the weights at 1-4 rows; from ~8 rows its dot-product form is compute-bound (measured
+# on a 2-core AVX512-BF16 EPYC, DeepSeek-V3 projections: docs/mla.md)
+FEW_ROWS = 4
 
 
 class Linear(nn.Linear):
@@ -22,6 +28,9 @@ class Linear(nn.Linear):
         w = self.weight
         cd = compute_dtype(w.dtype, w.device)
         rows = x.numel() // max(1, x.shape[-1])
+        if cpu_core.few_rows_fit(x, w, rows, FEW_ROWS):
+            out = cpu_core.small_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+            return out if self.bias is None else out + self.bias
         if cd == w.dtype or rows < UPCAST_MIN_ROWS or (torch.is_grad_enabled() and w.requires_grad):
             return super().forward(x)
         return upcast_linear(x, w, self.bias, cd)

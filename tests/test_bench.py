@@ -458,7 +458,8 @@ def test_cli_calibrate_then_bench_uses_the_profile(tmp_path, cache_dir, monkeypa
     model = tmp_path / "config.json"
     model.write_text(json.dumps(HF_CONFIG))
     flags = ["--model", str(model), "--dtype", "fp32", "--device", "cpu", "--quick"]
-    assert main(["calibrate", *flags, "--context", "8,32", "--max-new", "4"]) == 0
+    # one context: no neighbour for the consistency checks to find noise against at these tiny widths
+    assert main(["calibrate", *flags, "--context", "8", "--max-new", "4"]) == 0
     out = capsys.readouterr().out
     saved = out.split("saved ")[1].split()[0]
     assert saved.startswith(str(cache_dir)) and os.path.isfile(saved)

@@ -97,7 +97,10 @@ class CacheMachine(RuleBasedStateMachine):
         h = randn(len(slots), max(counts), CFG.hidden_size, seed=self._new_seed())
         starts = [len(self.model[s]) for s in slots]
         with torch.no_grad():
-            out = self.layer(h, self.cache, slots=slots, new_tokens=counts, mode=mode)
+            # one layer of a two-layer cache: planned, committed for the one layer that wrote
+            plan = self.cache.plan(counts, slots, mode=mode, seq_len=h.shape[1])
+            out = self.layer(h, plan)
+            self.cache.commit(plan, layers=[1])
             positions = torch.tensor(starts)[:, None] + torch.arange(h.shape[1])
             q_nope, q_pe, c, k = self.layer.project(h, positions)
             w_uk, w_uv = self.layer.up_weights()

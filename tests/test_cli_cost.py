@@ -59,9 +59,10 @@ def test_crossover_null_and_roofline(capsys, tmp_path):
     assert r["exact"] is None and r["asymptotic"] is None
     assert r["roofline"]["machine"] == "h200"
     r = run_json(capsys, "crossover", "--model", "glm-5", "--counting", "causal", "--machine", "h100")
-    assert r["counting"] == "causal" and r["exact"] == r["by_counting"]["causal"]["exact"]
-    assert r["asymptotic"] == pytest.approx(512 * 448 / 576)
-    assert r["roofline"]["exact"] > 0
+    d = r["dense_layer"]  # a DSA model: the dense layer's figures, labelled (the top level is sparse)
+    assert r["counting"] == "causal" and d["exact"] == d["by_counting"]["causal"]["exact"]
+    assert d["asymptotic"] == pytest.approx(512 * 448 / 576)
+    assert d["roofline"]["exact"] > 0
 
 
 def test_crossover_default_counting_is_the_benchs(capsys):

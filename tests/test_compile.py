@@ -57,7 +57,7 @@ def prefilled(kind, layers, tokens: int):
     with torch.no_grad():
         plan = cache.plan(tokens, batch=4)
         run_stack(layers, randn(4, tokens, CFG.hidden_size, seed=1), plan)
-        cache.commit(plan)
+        cache.commit(plan, layers=[layer.layer_idx for layer in layers])
     return cache
 
 
@@ -73,7 +73,7 @@ def twin_steps(kind, layers, compiled, steps: int, counts, prefix: int, mode: st
             want = run_stack(layers, h, plans[0])
             got = compiled(layers, h, plans[1])
             for c, p in zip((eager_cache, graph_cache), plans, strict=True):
-                c.commit(p)
+                c.commit(p, layers=[layer.layer_idx for layer in layers])  # a stack of 1 to 4 layers
             worst = max(worst, assert_close(f"step {step}", got, want, rtol=1e-5))
     assert torch.equal(eager_cache.lengths, graph_cache.lengths)
     return plans[1]

@@ -144,6 +144,9 @@ def test_writer_sends_inputs_not_figures():
         "gqa_groups",
         "cache_format",
         "bench",
+        "capacity",
+        "v4_presets",  # the V4 panel (tests/test_v4_explore.py)
+        "v4_fp8_tile",
     }
     assert set(inputs["presets"]) == set(PRESETS)
     for name, widths in inputs["presets"].items():
@@ -231,11 +234,22 @@ def page_url(tmp_path_factory):
     return "file://" + write_explorer(str(folder / "page.html"), str(results))
 
 
+def page_errors(log: list[dict]) -> list[dict]:
+    """The page's own errors: what its script threw or logged. Chromium's own notes (e.g. "Throttling
+    navigation to prevent the browser from hanging", written when a page replaces its URL often) are
+    the browser's, not the page's, and come and go with the machine's speed."""
+    return [
+        e
+        for e in log
+        if e["level"] == "SEVERE" or (e["level"] == "WARNING" and e.get("source") == "console-api")
+    ]
+
+
 @pytest.fixture
 def page(driver, page_url):
     driver.get(page_url)
     yield driver
-    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    errors = page_errors(driver.get_log("browser"))
     assert errors == [], f"console errors: {errors}"
 
 
@@ -270,6 +284,10 @@ const marker = document.getElementById('crossover-marker');
 return {
   exact: v('crossover-exact'), limit: v('crossover-limit'),
   exact_text: document.getElementById('crossover-exact').textContent,
+  lower: document.getElementById('crossover-exact').dataset.lower,
+  upper: document.getElementById('crossover-exact').dataset.upper,
+  dense: v('crossover-dense'), dense_text: document.getElementById('crossover-dense').textContent,
+  dense_shown: !document.getElementById('crossover-dense').hidden,
   limit_text: document.getElementById('crossover-limit').textContent,
   rows: rows, gqa_equivalent: v('gqa-equivalent'), error: document.getElementById('error').textContent,
   materialize_d: document.getElementById('line-materialize').getAttribute('d'),
@@ -336,10 +354,32 @@ def test_crossover_box_equals_cost_over_a_grid(page):
                 want = cost.crossover(cfg, context, model)
                 where = f"{name} at {context} ({model})"
                 assert s["error"] == "", where
-                assert_tokens(f"exact, {where}", s["exact"], s["exact_text"], want.exact)
                 assert_tokens(f"limit, {where}", s["limit"], s["limit_text"], want.asymptotic)
+                if cfg.is_sparse:  # one answer: the sparse band; the dense figure labelled beside it
+                    check_sparse_headline(s, cfg, context, model, where)
+                    continue
+                assert_tokens(f"exact, {where}", s["exact"], s["exact_text"], want.exact)
                 assert s["marker_new"] == ("none" if want.exact is None else s["exact"])
+                assert not s["dense_shown"], where
     set_control(page, "counting", "causal")
+
+
+def check_sparse_headline(s: dict, cfg: MLAConfig, context: int, counting: str, where: str) -> None:
+    band = cost.sparse_crossover(cfg, context, counting)
+    if band is None:
+        assert (s["lower"], s["upper"], s["exact_text"]) == ("none", "none", "never"), where
+    else:
+        assert math.isclose(float(s["lower"]), band[0], rel_tol=1e-8), where
+        assert (
+            s["upper"] == "none"
+            if band[1] is None
+            else math.isclose(float(s["upper"]), band[1], rel_tol=1e-8)
+        )
+        assert "≤ new <" in s["exact_text"], where
+    dense = cost.crossover(cfg, context, counting).exact
+    assert s["dense_shown"] and "dense layer" in s["dense_text"], where
+    assert_tokens(f"dense, {where}", s["dense"], s["dense_text"].split(": ")[-1], dense)
+    assert s["marker_new"] == ("none" if dense is None else s["dense"])  # the chart is the dense layer's
 
 
 @pytest.mark.browser
@@ -374,10 +414,14 @@ def test_gqa_groups_and_equivalence(page):
     s = read(page)
     assert float(s["gqa_equivalent"]) == 2.25
     assert {"gqa4", "gqa8"} <= set(s["rows"])
+    assert page.find_element("id", "gqa-groups").get_attribute("value") == "4,8"
+    assert [k for k in s["kinds"] if k.startswith("gqa")] == ["gqa4", "gqa8"]  # the box's groups, no more
     set_control(page, "gqa-groups", 3)  # 128 heads: 3 does not divide them
     s = read(page)
-    assert "gqa3" not in s["rows"] and {"gqa4", "gqa8"} <= set(s["rows"])
+    assert not [k for k in s["kinds"] if k.startswith("gqa")]  # the table lists what the box says
     assert "not defined" in page.find_element("id", "gqa-note").text
+    set_control(page, "gqa-groups", 8)
+    assert [k for k in read(page)["kinds"] if k.startswith("gqa")] == ["gqa8"]
     set_control(page, "gqa-groups", ",,,")
     assert "GQA groups must be" in read(page)["error"]
     set_control(page, "gqa-groups", "16,32")
@@ -386,7 +430,10 @@ def test_gqa_groups_and_equivalence(page):
         int(read(page)["rows"]["gqa16"]["bytes-per-sequence"]["value"]) == want["bytes_per_sequence"]["gqa16"]
     )
     choose_model(page, "glm-5")
-    assert float(read(page)["gqa_equivalent"]) == pytest.approx(576 / 448)
+    glm5 = MLAConfig.preset("glm-5")  # DSA: the latent and its indexer key, as `mlakit cache` says
+    want = (576 + glm5.index_head_dim) / 448
+    assert float(read(page)["gqa_equivalent"]) == pytest.approx(want)
+    assert cost.mla_equivalent_gqa_groups(glm5) == pytest.approx(want)
 
 
 @pytest.mark.browser
@@ -398,10 +445,13 @@ def test_moving_the_controls_updates_box_and_chart(page):
     set_control(page, "counting", "independent")
     set_control(page, "context", 4096)
     before = read(page)
-    Select(page.find_element("id", "model")).select_by_value("glm-5")
+    Select(page.find_element("id", "model")).select_by_value("glm-4.7-flash")
     glm = read(page)
     assert_tokens(
-        "glm-5", glm["exact"], glm["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 4096).exact
+        "glm-4.7-flash",
+        glm["exact"],
+        glm["exact_text"],
+        cost.crossover(MLAConfig.preset("glm-4.7-flash"), 4096).exact,
     )
     assert glm["limit_text"] == "398.2 tokens"
     assert glm["materialize_d"] != before["materialize_d"] and glm["marker_x"] != before["marker_x"]
@@ -416,7 +466,7 @@ def test_moving_the_controls_updates_box_and_chart(page):
         "slider",
         moved["exact"],
         moved["exact_text"],
-        cost.crossover(MLAConfig.preset("glm-5"), context).exact,
+        cost.crossover(MLAConfig.preset("glm-4.7-flash"), context).exact,
     )
     assert moved["absorb_d"] != glm["absorb_d"]
 
@@ -426,24 +476,51 @@ def test_moving_the_controls_updates_box_and_chart(page):
     typed = read(page)
     assert typed["context"] == "65536"
     assert_tokens(
-        "typed", typed["exact"], typed["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 65536).exact
+        "typed",
+        typed["exact"],
+        typed["exact_text"],
+        cost.crossover(MLAConfig.preset("glm-4.7-flash"), 65536).exact,
     )
 
     page.find_element("id", "custom-kv_lora_rank").send_keys(Keys.BACKSPACE * 3, "1024")
     custom = read(page)
     assert custom["model"] == "custom"
-    wide = MLAConfig.preset("glm-5").replace(kv_lora_rank=1024, name="custom")
+    wide = MLAConfig.preset("glm-4.7-flash").replace(kv_lora_rank=1024, name="custom")
     assert_tokens("custom latent", custom["exact"], custom["exact_text"], cost.crossover(wide, 65536).exact)
     set_control(page, "counting", "causal")
 
 
+CARDS = ("crossover-exact", "crossover-limit", "crossover-roofline", "gqa-equivalent", "crossover-measured")
+
+
+def cards(d) -> dict:
+    return d.execute_script(
+        "return Object.fromEntries(arguments[0].map((id) => [id, [document.getElementById(id).dataset.value,"
+        " document.getElementById(id).textContent]]))",
+        list(CARDS),
+    )
+
+
 @pytest.mark.browser
-def test_bad_input_says_so_keeps_the_figures_and_clears_on_good_input(page):
+def test_bad_input_says_so_clears_the_cards_and_recovers(page):
     good = read(page)
+    for control, value, message in (
+        ("context", 0, "context must be a whole number of tokens from 1"),
+        ("custom-qk_rope_head_dim", 3, "qk_rope_head_dim must be even"),  # a bad width
+        ("custom-kv_lora_rank", "5x", 'kv_lora_rank must be an integer >= 1, got "5x"'),
+    ):
+        before = (
+            page.find_element("id", "custom-" + control.removeprefix("custom-")).get_attribute("value")
+            if (control.startswith("custom-"))
+            else good["context"]
+        )
+        set_control(page, control, value)
+        bad = read(page)
+        assert message in bad["error"] and bad["stale"], control
+        assert cards(page) == {card: ["invalid", "—"] for card in CARDS}, control  # no old figure stands
+        set_control(page, control, before)
+        assert read(page)["exact"] == good["exact"] and cards(page)["crossover-exact"][1] != "—"
     set_control(page, "context", 0)
-    bad = read(page)
-    assert "context must be a whole number of tokens from 1" in bad["error"] and bad["stale"]
-    assert bad["exact"] == good["exact"]
     set_control(page, "context", 1)  # one cached token is a context too
     one = read(page)
     assert one["error"] == "" and not one["stale"]
@@ -489,7 +566,7 @@ def test_page_without_bench_hides_the_panel(driver, tmp_path):
         s["exact_text"]
         == f"{cost.crossover(MLAConfig.preset('deepseek-v3'), 4096, 'causal').exact:.1f} tokens"
     )
-    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    assert page_errors(driver.get_log("browser")) == []
 
 
 def step_ms(cfg, mode, batch, new, cached, dtype, machine) -> float:
@@ -582,9 +659,7 @@ def test_the_url_keeps_the_view(driver, page_url):
     assert "gqa2" in s["rows"]
     assert driver.find_element("id", "dsa-new").get_attribute("value") == "9"
     check_dsa_terms(read_dsa(driver), MLAConfig.preset("glm-5"), 777, "independent", "bf16", 9)
-    assert_tokens(
-        "from link", s["exact"], s["exact_text"], cost.crossover(MLAConfig.preset("glm-5"), 777).exact
-    )
+    check_sparse_headline(s, MLAConfig.preset("glm-5"), 777, "independent", "from link")
     driver.get(page_url)  # the other tests start from the plain page
 
 
@@ -801,3 +876,168 @@ def test_ci_installs_chromium():
     with open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run"), encoding="utf-8") as f:
         text = f.read()
     assert "chromium" in text and "chromium-driver" in text
+
+
+# --- issue 23: the inputs read what the CLI reads; one sparse answer; "measured" only when measured
+
+
+CONTEXT_FORMS = [("32K", 32768), ("32k", 32768), ("1M", 1 << 20), ("4_096", 4096), (" 700 ", 700)]
+CONTEXT_REFUSED = ["2M", "32KB", "1,000", "3.5K", "", "1e3"]
+
+
+@pytest.mark.browser
+def test_context_reads_the_clis_forms_and_refuses_the_rest(page):
+    from mlakit.commands.args import parse_count
+
+    set_control(page, "machine", "none")
+    set_control(page, "counting", "causal")
+    v3 = MLAConfig.preset("deepseek-v3")
+    for typed, want in CONTEXT_FORMS:
+        assert parse_count(typed, "context") == want  # what `mlakit crossover --context` reads
+        set_control(page, "context", typed)
+        s = read(page)
+        assert s["error"] == "" and s["rows"]["mla"]["bytes-per-sequence"]["value"] == str(70272 * want)
+        assert_tokens(typed, s["exact"], s["exact_text"], cost.crossover(v3, want, "causal").exact)
+    for typed in CONTEXT_REFUSED:
+        with pytest.raises(ValueError):
+            parse_count(typed, "context", 1, 1 << 20)
+        set_control(page, "context", typed)
+        s = read(page)
+        assert f'got "{typed}"' in s["error"] and s["stale"] and s["exact_text"] == "—", typed
+
+
+@pytest.mark.browser
+def test_dsa_model_has_one_answer_on_the_page(page, capsys):
+    from mlakit.cli import main
+
+    choose_model(page, "deepseek-v3.2")
+    set_control(page, "counting", "causal")
+    set_control(page, "dtype", "bf16")
+    set_control(page, "context", "128K")
+    s, dsa = read(page), read_dsa(page)
+    assert s["exact_text"] == dsa["crossover_text"] == "never"  # the headline card and the panel agree
+    assert s["dense_text"] == "the dense layer's crossover: 170.6 tokens"
+    assert main(["crossover", "--model", "deepseek-v3.2", "--context", "128K", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sparse"]["materialize_cheaper"] is None  # the CLI: never too
+    assert s["kinds"][:2] == ["mla+indexer", "mla"]
+    row = s["rows"]["mla+indexer"]["bytes-per-sequence"]
+    assert row["value"] == dsa["cache_sequence"] and row["text"] == "11.3 GB"  # table = panel
+    assert s["rows"]["mla"]["bytes-per-sequence"]["text"] == "9.21 GB"  # the latent alone, labelled
+
+
+def measured_label(d) -> dict:
+    return d.execute_script(
+        "return {legend: !document.getElementById('legend-measured').hidden,"
+        " xlegend: !document.getElementById('xlegend-measured').hidden,"
+        " title: document.getElementById('chart-title').textContent,"
+        " note: document.getElementById('chart-note').textContent}"
+    )
+
+
+@pytest.mark.browser
+def test_chart_says_measured_only_with_bench_data(driver, page_url, tmp_path):
+    driver.get("file://" + write_explorer(str(tmp_path / "plain.html")))
+    for machine in ("none", "h100"):
+        set_control(driver, "machine", machine)
+        m = measured_label(driver)
+        assert not m["legend"] and not m["xlegend"], machine
+        assert "measured" not in m["title"] and "measured medians" not in m["note"], machine
+    assert page_errors(driver.get_log("browser")) == []
+    driver.get(page_url)  # bench data for deepseek-v3 on its measured machine
+    m = measured_label(driver)
+    assert m["legend"] and m["xlegend"] and "measured" in m["title"]
+    choose_model(driver, "kimi-k2")  # measured on another model: no measured figure drawn
+    m = measured_label(driver)
+    assert not m["legend"] and not m["xlegend"] and "measured" not in m["title"]
+    driver.get(page_url)
+
+
+READ_CAPACITY = """
+const rows = {};
+for (const tr of document.querySelectorAll('#capacity-body tr')) {
+  rows[tr.dataset.kind] = {dtype: tr.querySelector('.dtype').textContent,
+    per_layer: tr.querySelector('.per-layer').dataset.value,
+    per_sequence: tr.querySelector('.per-sequence').dataset.value,
+    sequences: tr.querySelector('.sequences').dataset.value};
+}
+const note = document.getElementById('capacity-arithmetic');
+return {rows: rows, kinds: Object.keys(rows), free: note.dataset.free, tokens: note.dataset.tokens,
+        note: note.textContent, error: document.getElementById('error').textContent};
+"""
+
+CAPACITY_CASES = [  # model, context, memory, tp, cp, weights memory, weights dtype, cache dtype, groups
+    ("deepseek-v3", "128K", "141GB", 8, 1, "", "fp8", "bf16", "4,8"),
+    ("deepseek-v3", "32K", "80GiB", 8, 2, "", "bf16", "fp32", "4,8"),
+    ("deepseek-v3.2", "128K", "141GB", 8, 1, "", "fp8", "fp8", "8"),
+    ("glm-5", "100000", "96GB", 16, 3, "1.5TB", "bf16", "int8", "2,4"),
+    ("deepseek-v2-lite", "4097", "24GiB", 1, 3, "", "int4", "bf16", "4,8"),
+    ("odd", "1000", "1GB", 4, 5, "2MB", "bf16", "bf16", "2,3"),
+]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize(
+    "case", CAPACITY_CASES, ids=[f"{c[0]}-{c[1]}-tp{c[3]}-cp{c[4]}" for c in CAPACITY_CASES]
+)
+def test_capacity_panel_equals_the_cli(page, case):
+    from mlakit.commands.args import parse_count
+    from mlakit.commands.capacity import parse_bytes
+
+    model, context, memory, tp, cp, weights, wdtype, dtype, groups = case
+    choose_model(page, model)
+    for control, value in (
+        ("context", context),
+        ("dtype", dtype),
+        ("gqa-groups", groups),
+        ("capacity-memory", memory),
+        ("capacity-tp", tp),
+        ("capacity-cp", cp),
+        ("capacity-weights-memory", weights),
+        ("capacity-weights-dtype", wdtype),
+    ):
+        set_control(page, control, value)
+    got = page.execute_script(READ_CAPACITY)
+    cfg = preset_or_custom(model)
+    from mlakit.cost.capacity import capacity
+
+    want = capacity(
+        cfg,
+        parse_count(context, "context"),
+        parse_bytes(memory, "memory"),
+        dtype,
+        tp,
+        cp,
+        parse_bytes(weights, "weights-memory") if weights else None,
+        wdtype,
+        tuple(int(g) for g in groups.split(",")),
+    )
+    assert got["error"] == "" and int(got["free"]) == want["free_bytes_per_rank"]
+    assert int(got["tokens"]) == want["tokens_per_rank"] and got["kinds"] == list(want["caches"])
+    for kind, r in want["caches"].items():
+        g = got["rows"][kind]
+        assert g["dtype"] == r["dtype"], kind
+        assert int(g["per_layer"]) == r["bytes_per_token_per_layer_per_rank"], kind
+        assert int(g["per_sequence"]) == r["bytes_per_sequence_per_rank"], kind
+        assert int(g["sequences"]) == r["sequences_per_rank"], kind
+
+
+@pytest.mark.browser
+def test_capacity_panel_refuses_visibly(page):
+    choose_model(page, "deepseek-v3")
+    for control, value, message in (
+        ("capacity-memory", "80XB", "memory per rank takes a size"),
+        ("capacity-tp", "0", "tensor-parallel ranks"),
+        ("capacity-tp", "256", "tp=256 exceeds the 128 heads"),
+        ("capacity-cp", "two", "context-parallel ranks"),
+        ("capacity-weights-memory", "lots", "weights memory takes a size"),
+    ):
+        good = page.find_element("id", control).get_attribute("value")
+        set_control(page, control, value)
+        s = page.execute_script(READ_CAPACITY)
+        assert message in s["error"] and read(page)["exact_text"] == "—", control
+        set_control(page, control, good)
+    choose_model(page, "odd")  # custom widths: no published parameter count
+    s = page.execute_script(READ_CAPACITY)
+    assert (
+        s["error"] == "" and s["free"] == "none" and "give the weights' memory" in s["note"] and not s["rows"]
+    )

@@ -50,14 +50,27 @@ def planned_step(layers, cache, h, counts=None, slots=None, mode="auto"):
     )
     for layer in layers:
         h = layer(h, plan)
-    cache.commit(plan)
+    # a stack of fewer layers than the cache holds names the layers it writes
+    cache.commit(plan, layers=None if len(layers) == cache.num_layers else [x.layer_idx for x in layers])
     return h
 
 
 def per_layer_step(layers, caches, h, counts=None, slots=None, mode="auto"):
+    """Each layer alone over a cache of its own (one layer: the one-layer call refuses several)."""
     for layer, cache in zip(layers, caches, strict=True):
-        h = layer(h, cache, slots=slots, new_tokens=counts, mode=mode)
+        idx, layer.layer_idx = layer.layer_idx, 0
+        try:
+            h = layer(h, cache, slots=slots, new_tokens=counts, mode=mode)
+        finally:
+            layer.layer_idx = idx
     return h
+
+
+def write_every_layer(cache, plan) -> None:
+    """Zeros for the plan's rows in every layer (a plan is committed once every layer wrote)."""
+    for i in range(cache.num_layers):
+        c = torch.zeros(plan.batch, plan.seq_len, CFG.kv_lora_rank)
+        cache.write(plan, i, c, torch.zeros(plan.batch, plan.seq_len, CFG.qk_rope_head_dim))
 
 
 def naive_stack(layers, x):
@@ -71,7 +84,7 @@ def naive_stack(layers, x):
 def test_planned_stack_equals_per_layer_calls_and_the_fp64_reference(kind, mode):
     layers = stack()
     shared = make_cache(kind)
-    own = [make_cache(kind) for _ in layers]
+    own = [make_cache(kind, layers=1) for _ in layers]
     x = randn(2, 11, CFG.hidden_size, seed=1)
     with torch.no_grad():
         for lo, hi in [(0, 7), (7, 8), (8, 11)]:  # prefill, decode, a chunk
@@ -153,7 +166,7 @@ def test_lowering_lengths_rolls_back_every_layer_and_release_empties_a_slot(kind
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_a_plan_serves_one_step(kind):
     layers = stack(1)
-    cache = make_cache(kind)
+    cache = make_cache(kind, layers=1)
     h = randn(4, 1, CFG.hidden_size, seed=6)
     with torch.no_grad():
         plan = cache.plan(1)
@@ -189,8 +202,8 @@ def test_a_failed_layer_leaves_lengths_and_the_next_step_correct(kind, monkeypat
         monkeypatch.setattr(layers[1].o_proj, "forward", boom)
         with pytest.raises(RuntimeError, match="injected"):
             planned_step(layers, cache, x[:, 5:6])
-        with pytest.raises(RuntimeError, match="injected"):
-            layers[1](x[:, 5:6], cache)  # the one-layer call discards its plan
+        with pytest.raises(ValueError, match="commits after one layer"):
+            layers[1](x[:, 5:6], cache)  # the one-layer call: one-layer caches only
         monkeypatch.undo()
         assert torch.equal(cache.lengths, before)
         if kind != "contiguous":
@@ -219,6 +232,7 @@ def test_step_with_a_key_bucket_attends_only_real_keys():
     plan = cache.plan(3, batch=2)
     assert plan.key_len == 16 and plan.kv_lens.tolist() == [3, 3]
     assert plan.positions.tolist() == [[0, 1, 2]] * 2
+    write_every_layer(cache, plan)
     cache.commit(plan)
     plan = cache.plan([1, 14], seq_len=14)
     assert plan.key_len == 32 and plan.kv_lens.tolist() == [4, 17]
@@ -227,7 +241,7 @@ def test_step_with_a_key_bucket_attends_only_real_keys():
 
 def test_check_finite_refuses_nan_at_real_positions_only():
     layer = stack(1)[0]
-    cache = make_cache("paged")
+    cache = make_cache("paged", layers=1)
     x = randn(2, 3, CFG.hidden_size, seed=11)
     x[1, 2] = float("nan")
     before = [t.clone() for t in cache.buffers()]
@@ -253,6 +267,7 @@ def test_paged_plan_block_table_is_fixed_within_a_bucket_and_locates_every_row()
             t = torch.arange(int(plan.kv_lens[b]))
             rows = plan.block_table[b, t // size].long() * size + t % size
             assert torch.equal(rows[-3:], plan.write_rows[b])
+        write_every_layer(cache, plan)
         cache.commit(plan)
     assert widths == [(2, 4)] * 5 + [(2, 8)]  # 16 keys (4 pages of 4) until the context passes 16
 

@@ -18,7 +18,7 @@ from helpers import assert_close, assert_lse_close, randn
 from mlakit import MLAAttention, MLAConfig
 from mlakit.indexer import Indexer
 from mlakit.ops import absorb, reference
-from mlakit.ops.sparse import index_scores, select_topk, sparse_absorb, sparse_materialize
+from mlakit.ops.sparse import index_scores, index_topk, select_topk, sparse_absorb, sparse_materialize
 from mlakit.rope import RotaryTable, attention_factor, inv_freq
 
 
@@ -299,3 +299,53 @@ def test_index_scores_in_small_blocks_and_query_chunks(family, monkeypatch):
     assert torch.equal(torch.isneginf(blocked), torch.isneginf(want))
     assert_close("blocked index scores", blocked[finite], want[finite].float(), rtol=1e-5)
     assert_close("blocked vs whole", blocked[finite], whole[finite], rtol=1e-6)
+
+
+_PEAK_SCRIPT = """
+import sys, torch
+from mlakit.ops import common, sparse
+common.SCORE_BUDGET = 1 << 20  # 4 MB of fp32 scores per block
+torch.manual_seed(0)
+b, s, t = 1, 4096, 4096  # all the scores at once: 64 MB
+q, w, k = torch.randn(b, s, 2, 8), torch.randn(b, s, 2), torch.randn(b, t, 8)
+lens = torch.tensor([t])
+sparse.index_topk(q[:, :64], w[:, :64], k, lens, 16)  # warm: libraries and thread pools loaded
+def hwm():
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size to the current one
+base = hwm()
+got = sparse.index_topk(q, w, k, lens, 16)
+print(hwm() - base)
+"""
+
+
+def test_index_topk_peak_memory_stays_near_the_score_budget():
+    """Issue: the selection's working set (a NaN-free copy, an int64 running count, fp32 ranks, bool
+    masks) held ~12 score budgets at once (49 MB here); now about 1.5 (6 MB)."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak = int(run.stdout.split()[-1])
+    budget_bytes = 4 << 20
+    assert peak < 3 * budget_bytes, f"peak {peak / 2**20:.1f} MB over a {budget_bytes >> 20} MB score budget"
+
+
+def test_index_topk_in_blocks_is_bit_identical(monkeypatch):
+    from mlakit.ops import common
+
+    g = torch.Generator().manual_seed(3)
+    q, w, k = torch.randn(2, 40, 3, 8, generator=g), torch.randn(2, 40, 3, generator=g), torch.randn(2, 50, 8)
+    k[:, 7] = float("nan")  # a poisoned key: selected first, in blocks as whole
+    lens = torch.tensor([50, 45])
+    q[:, :, :, :4] = q[:, :, :, :4].round()  # ties
+    scores = index_scores(q, w, k, lens, max_keys=50)
+    want = select_topk(scores, 9)
+    assert not scores.isnan().any() or torch.equal(scores.isnan(), index_scores(q, w, k, lens).isnan())
+    monkeypatch.setattr(common, "SCORE_BUDGET", 2 * 50 * 3 * 3)  # blocks of 3 queries
+    assert torch.equal(index_topk(q, w, k, lens, 9, max_keys=50), want)

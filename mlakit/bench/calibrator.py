@@ -67,6 +67,8 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
         raise ValueError(f"calibrate needs step >= 2, max_new >= 1, batch >= 1 and contexts, got {opts}")
     cfg = MLAConfig.resolve(opts.model)
     machine = _machine(opts.device) if opts.measure_machine else None
+    if machine is not None and opts.progress:
+        _announce(cfg, machine, opts)
     ctx = BenchContext(cfg, DTYPES[opts.dtype], opts.device, seed=opts.seed)
     paths = [BACKENDS[ABSORB], BACKENDS[MATERIALIZE]]
     passed, verdicts = gate(ctx, Grid((opts.batch,), tuple(opts.contexts), (1,)), paths)
@@ -74,11 +76,11 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
     if failed:
         raise ValueError(f"calibrate: {failed[0].backend} disagrees with the reference: {failed[0].error}")
     rows: list[dict] = []
-    bar = progress(len(opts.contexts), "mlakit calibrate", opts.progress)
+    counts = _counts(opts.step, opts.max_new)
+    bar = progress(len(set(opts.contexts)) * len(counts), "mlakit calibrate (cells)", opts.progress)
     try:
         for cached in sorted(set(opts.contexts)):
             rows += _search(ctx, opts, cached, bar)
-            bar.update()
     finally:
         bar.close()
     measured = {t: measured_crossover(rows, t, opts.batch, opts.dtype) for t in sorted(set(opts.contexts))}
@@ -94,6 +96,7 @@ def _calibrate(opts: CalibrateOptions) -> tuple[CrossoverProfile, list[dict]]:
     extra = _extra(opts, rows)
     extra["unmeasured"] = {str(t): why for t, why in unmeasured.items()}
     extra["warnings"] = monotone_warnings(points, opts.max_new)
+    extra["consistent"] = not extra["warnings"]  # False: saved by no one, followed by no one
     profile = CrossoverProfile(
         model=cfg.name,
         widths=widths_of(cfg),
@@ -156,15 +159,34 @@ def monotone_warnings(points, max_new: int, noise: float = 0.5) -> list[str]:
     for (t0, x0), (t1, x1) in zip(points, points[1:], strict=False):
         a = float("inf") if x0 is None else x0
         b = float("inf") if x1 is None else x1
-        if b < a * (1 - noise):
+        # "> max_new" is known to exceed max_new only: a jump to it needs 3a below max_new
+        b_at_least = max_new if x1 is None else x1
+        if b < a * (1 - noise) or (x0 is None and x1 is not None and x1 < max_new * (1 - noise)):
             out.append(f"crossover falls from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
-        elif a != float("inf") and b > 3 * a:
+        elif a != float("inf") and b_at_least > 3 * a:
             out.append(f"crossover jumps from {_shown(x0, max_new)} at {t0} to {_shown(x1, max_new)} at {t1}")
     return out
 
 
 def _shown(x, max_new: int) -> str:
     return f"> {max_new}" if x is None else f"{x:.1f}"
+
+
+def _announce(cfg: MLAConfig, machine, opts: CalibrateOptions) -> None:
+    """The expected duration, before any cell is timed (stderr, beside the progress bar)."""
+    import sys
+
+    from mlakit.bench.calibrate_plan import estimate_seconds, format_duration
+
+    counts = _counts(opts.step, opts.max_new)
+    est = estimate_seconds(cfg, machine, opts.dtype, opts.batch, opts.contexts, counts, opts.timing)
+    contexts = len(set(opts.contexts))
+    sys.stderr.write(
+        f"mlakit calibrate: up to {contexts * len(counts)} cells ({contexts} contexts x {len(counts)} "
+        f"new-token counts, both paths) and their re-timings; expected about {format_duration(est)} "
+        "(roofline on the peaks just measured; noisy cells take up to 3x)\n"
+    )
+    sys.stderr.flush()
 
 
 def _machine(device: str):
@@ -183,7 +205,9 @@ def _search(ctx: BenchContext, opts: CalibrateOptions, cached: int, bar) -> list
         pair = _time_pair(ctx, Cell(opts.batch, cached, n), opts.timing)
         rows += pair
         counts.append(n)
+        bar.update()
         wins = wins + 1 if pair[1]["ms_median"] <= pair[0]["ms_median"] else 0
+    bar.update(len(_counts(opts.step, opts.max_new)) - len(counts))  # the counts the search skipped
     cross = measured_crossover(rows, cached, opts.batch, opts.dtype)
     if cross is not None and cross > 1:
         above = min(c for c in counts if c >= cross)

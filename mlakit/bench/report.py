@@ -30,6 +30,9 @@ def header(doc: dict) -> list[str]:
         f"{t.get('noisy_repeats', t['repeats'])} where they spread over "
         f"{100 * t.get('noisy_spread', 0.2):.0f}% (min–max in results); '~' marks a cell still that noisy",
     ]
+    if env.get("core"):
+        note = f" ({env['core_note']})" if env.get("core_note") else ""
+        lines.append(f"decode core: {env['core']}{note}")
     state = env.get("machine_state")
     if state:
         lines.insert(1, f"threads: {state['reason']}")

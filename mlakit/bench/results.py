@@ -21,6 +21,7 @@ from mlakit.bench.context import BenchContext
 from mlakit.cost import MachineProfile
 from mlakit.cost.measured import SCHEMA
 from mlakit.cost.sparse import SPARSE_MODES
+from mlakit.ops.cpu_core import describe
 
 PROJECTIONS = "mlakit-projections"
 CSV_COLUMNS = (
@@ -92,7 +93,11 @@ def environment(ctx: BenchContext) -> dict:
             versions[name] = None
     device = ctx.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    core, core_note = describe(ctx.dtype, device, ctx.cfg)
     return {
+        # the absorbed decode core "auto" runs (mlakit.ops.cpu_core), and why not the fused one
+        "core": core,
+        "core_note": core_note,
         "device": str(device),
         "device_name": name,
         "host": platform.node(),

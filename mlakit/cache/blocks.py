@@ -27,12 +27,23 @@ class BlockManager:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_slots", num_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        from mlakit.cache.checks import check_allocation
+
+        # a free-list entry per block and a table per slot, on the host: refused before building them
+        check_allocation(
+            f"BlockManager(num_blocks={num_blocks}, num_slots={num_slots})",
+            40 * num_blocks + 128 * num_slots,
+            "cpu",
+            "num_blocks or num_slots",
+        )
         self.num_blocks = num_blocks
         self.block_size = block_size
         # popped from the end: a fresh pool hands out blocks 0, 1, 2, ...
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         self.tokens: list[int] = [0] * num_slots
+        # while a list: every append / truncate is recorded there, so that `undo` can take it back
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -61,6 +72,7 @@ class BlockManager:
         table = self.tables[slot]
         table.extend(self.free.pop() for _ in range(grow))
         start = self.tokens[slot]
+        self._record("append", slot, grow, start)
         self.tokens[slot] = start + new_tokens
         size = self.block_size
         return [table[t // size] * size + t % size for t in range(start, start + new_tokens)]
@@ -72,10 +84,31 @@ class BlockManager:
         table = self.tables[slot]
         keep = blocks_for(tokens, self.block_size)
         freed = table[keep:]
+        self._record("truncate", slot, len(freed), self.tokens[slot])
         del table[keep:]
         self.free.extend(reversed(freed))
         self.tokens[slot] = tokens
         return freed
+
+    def _record(self, op: str, slot: int, blocks: int, tokens: int) -> None:
+        if getattr(self, "journal", None) is not None:
+            self.journal.append((op, slot, blocks, tokens))
+
+    def undo(self, journal: list) -> None:
+        """Take back the appends and truncations recorded in `journal`, newest first: the free list,
+        tables and token counts are as they were before the first (the same blocks in the same order)."""
+        for op, slot, blocks, tokens in reversed(journal):
+            table = self.tables[slot]
+            if op == "append":
+                moved = table[len(table) - blocks :]
+                del table[len(table) - blocks :]
+                self.free.extend(reversed(moved))
+            else:
+                moved = self.free[len(self.free) - blocks :]
+                del self.free[len(self.free) - blocks :]
+                table.extend(reversed(moved))
+            self.tokens[slot] = tokens
+        journal.clear()
 
     def release(self, slot: int) -> list[int]:
         """Free every block of `slot`."""

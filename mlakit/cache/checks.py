@@ -114,11 +114,13 @@ def memory_limit(device) -> int:
         return 1 << 40
 
 
-def check_allocation(what: str, nbytes: int, device) -> None:
-    """Refuse, before allocating, a cache larger than the memory of its device."""
+def check_allocation(what: str, nbytes: int, device, lower: str | None = None) -> None:
+    """Refuse, before allocating, a cache larger than the memory of its device; `lower` names the
+    arguments that size it."""
     limit = memory_limit(device)
     if nbytes > limit:
+        hint = "" if lower is None else f"; lower {lower}"
         raise ValueError(
             f"{what} would take {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB), more than the "
-            f"{limit:,} bytes of {torch.device(device if device is not None else 'cpu')} memory"
+            f"{limit:,} bytes of {torch.device(device if device is not None else 'cpu')} memory{hint}"
         )

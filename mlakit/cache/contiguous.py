@@ -43,10 +43,11 @@ class LatentCache(StepCache):
         per_layer = batch_size * max_seq_len + 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_allocation(
-            f"LatentCache of {num_layers} layers x {batch_size} slots x {max_seq_len} tokens",
+            f"LatentCache of num_layers={num_layers} x batch_size={batch_size} x max_seq_len={max_seq_len}",
             num_layers * per_layer * (cfg.latent_dim + (cfg.index_head_dim or 0)) * itemsize
             + 16 * batch_size,
             device,
+            "batch_size, max_seq_len or num_layers",
         )
         self.cfg = cfg
         self.batch_size = batch_size
@@ -127,18 +128,20 @@ class LatentCache(StepCache):
         """Check `slots` for `rows` batch rows (default: row b → slot b); a CPU LongTensor [rows]."""
         return torch.tensor(check_slots(slots, rows, self.batch_size), dtype=torch.long)
 
-    def check_lengths(self) -> None:
-        """Validate `lengths` (0..max_seq_len, never past the tokens written), then forget the tokens
-        past them: once lowered, a length cannot be raised again over the dropped tokens."""
-        lengths = self.lengths.tolist()
-        if any(not 0 <= n <= self.max_seq_len for n in lengths):
-            raise ValueError(f"cache lengths {lengths} outside 0..{self.max_seq_len}")
-        if any(n > w for n, w in zip(lengths, self.written, strict=True)):
-            raise ValueError(
-                f"cache lengths {lengths} outside 0..tokens written {self.written}; "
-                "lengths can only be lowered"
-            )
-        self.written = [min(n, w) for n, w in zip(lengths, self.written, strict=True)]
+    @property
+    def slot_capacity(self) -> int:
+        """The most tokens one slot holds."""
+        return self.max_seq_len
+
+    step_capacity = slot_capacity
+
+    def _tokens(self) -> list[int]:
+        """Tokens written per slot (a plan's reserved rows included)."""
+        return self.written
+
+    def _truncate(self, slot: int, tokens: int) -> None:
+        # the rows past `tokens` are zeroed when a step next writes the slot (see `_reserve`)
+        self.written[slot] = tokens
 
     def check_append(self, new_tokens: int | torch.Tensor, slots: torch.Tensor) -> None:
         """Raise before any write if `new_tokens` (one count or one per row) do not fit in `slots`."""
@@ -159,22 +162,40 @@ class LatentCache(StepCache):
     def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
         """Rows [B, S] of the step's tokens (padding: the spare row); records them as written. Rows of
         these slots past their lengths that held data (dropped tokens, a released request) are zeroed
-        in every layer first (every check has passed: this is the step's first change)."""
+        in every layer once the plan is made (`_reserved`: the step's first change to the buffers)."""
         spare = self.batch_size * self.max_seq_len
-        rows = []
+        rows, self._to_zero = [], []
         for slot, n in zip(slots, counts, strict=True):
             start = int(self.lengths[slot])
+            first = slot * self.max_seq_len
             if self._dirty[slot] > start:
-                first = slot * self.max_seq_len
-                with torch.no_grad():
-                    for rows_of_layer in self._aliases:
-                        for t in rows_of_layer:
-                            if t is not None:
-                                t[first + start : first + self._dirty[slot]].zero_()
-            real = [slot * self.max_seq_len + start + i for i in range(n)]
+                self._to_zero.append((first + start, first + self._dirty[slot]))
+            real = [first + start + i for i in range(n)]
             rows.append(real + [spare] * (seq_len - n))
             self.written[slot] = self._dirty[slot] = start + n
         return torch.tensor(rows, dtype=torch.long)
+
+    def _reserved(self) -> None:
+        with torch.no_grad():
+            for lo, hi in self.__dict__.pop("_to_zero", ()):
+                for rows_of_layer in self._aliases:
+                    for t in rows_of_layer:
+                        if t is not None:
+                            t[lo:hi].zero_()
+
+    def _undo_point(self) -> tuple[list[int], list[int]]:
+        return list(self.written), list(self._dirty)
+
+    def _undo(self, point) -> None:
+        self.written[:], self._dirty[:] = point
+        self.__dict__.pop("_to_zero", None)
+
+    def _zero_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """Zero token rows `rows` [N] of one layer (latent, rope key, indexer key)."""
+        with torch.no_grad():
+            for t in self._aliases[layer]:
+                if t is not None:
+                    t.index_fill_(0, rows, 0)
 
     def _index_rows(self, layer: int) -> torch.Tensor:
         return self._i_rows[layer] if torch.compiler.is_compiling() else self._aliases[layer][2]
@@ -219,11 +240,20 @@ class LatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
+        step = self._check_write(plan, layer, c_kv, k_pe)
         rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
-        c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
-            c_rows.index_put_(rows, c_kv)
-            k_rows.index_put_(rows, k_pe)
+            if torch.compiler.is_compiling():
+                # into the buffers themselves: a write into a layer's view makes inductor copy the
+                # whole buffer back at every layer (issue 23)
+                at = (torch.full_like(plan.write_rows, layer), plan.write_rows)
+                self._c_rows.index_put_(at, c_kv)
+                self._k_rows.index_put_(at, k_pe)
+            else:
+                c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
+                c_rows.index_put_(rows, c_kv)
+                k_rows.index_put_(rows, k_pe)
+        step.ran.add(layer)
 
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c rows [rows, L], k rows [rows, dr]) of one layer: its aliases (see `_make_aliases`); a
@@ -247,10 +277,16 @@ class LatentCache(StepCache):
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
+        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
+        self._check_write_index(plan, layer, k_idx)
         rows = plan.write_rows.reshape(-1)
+        keys = k_idx.detach().reshape(rows.numel(), -1)
         with torch.no_grad():
-            self._index_rows(layer).index_copy_(0, rows, k_idx.detach().reshape(rows.numel(), -1))
+            if torch.compiler.is_compiling():  # into the buffer itself, as in `write`
+                self._i_rows.index_put_((torch.full_like(rows, layer), rows), keys)
+                return
+            self._index_rows(layer).index_copy_(0, rows, keys)
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I]: a view when its slots are consecutive."""
@@ -272,10 +308,8 @@ class LatentCache(StepCache):
         return c_kv, self._k_rows[layer].index_select(0, rows).view(r, s, k, -1)
 
     def release(self, slot: int) -> None:
-        """Empty `slot` for reuse."""
-        slot = check_slot(slot, self.batch_size)
-        self.lengths[slot] = 0
-        self.written[slot] = 0  # its rows are zeroed when a step next writes the slot
+        """Empty `slot` for reuse; an open plan that writes it goes stale (a cancelled request)."""
+        self._release_slot(check_slot(slot, self.batch_size))
 
     def view(self, slots: torch.Tensor, max_len: int, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [B, max_len, L], k_pe [B, max_len, dr]) of `slots`; no copy when slots are consecutive."""

@@ -18,6 +18,7 @@ from mlakit.cache.quant import (
     hadamard,
     index_groups,
     index_rotated,
+    put_fields,
     quantize,
     token_layout,
 )
@@ -68,14 +69,17 @@ class PagedLatentCache(StepCache):
         layout = token_layout(cfg, dtype, quant)
         per_layer = num_blocks * block_size + 2
         check_allocation(
-            f"PagedLatentCache of {num_layers} layers x {num_blocks} blocks x {block_size} tokens",
+            f"PagedLatentCache of num_layers={num_layers} x num_blocks={num_blocks} "
+            f"x block_size={block_size}",
             num_layers * per_layer * layout.row_bytes,
             device,
+            "num_blocks, block_size or num_layers",
         )
         check_allocation(
-            f"PagedLatentCache bookkeeping of {num_blocks} blocks and {max_batch} slots",
+            f"PagedLatentCache bookkeeping of num_blocks={num_blocks} and max_batch={max_batch}",
             num_blocks * HOST_BYTES_PER_BLOCK + max_batch * HOST_BYTES_PER_SLOT,
             "cpu",
+            "num_blocks or max_batch",
         )
         self.blocks = BlockManager(num_blocks, block_size, max_batch)
         self.cfg = cfg
@@ -225,22 +229,40 @@ class PagedLatentCache(StepCache):
         """Check `slots` for `rows` batch rows (default: row b → slot b); a CPU LongTensor [rows]."""
         return torch.tensor(check_slots(slots, rows, self.batch_size), dtype=torch.long)
 
-    def check_lengths(self) -> None:
-        """Validate `lengths` against the tokens written, then free the blocks of dropped tokens."""
-        lengths, written = self.lengths.tolist(), self.blocks.tokens
-        if any(not 0 <= n <= w for n, w in zip(lengths, written, strict=True)):
-            raise ValueError(
-                f"cache lengths {lengths} outside 0..tokens written {written}; lengths can only be lowered"
-            )
-        for slot, (n, w) in enumerate(zip(lengths, written, strict=True)):
-            if n < w:
-                self.blocks.truncate(slot, n)
+    @property
+    def slot_capacity(self) -> None:
+        return None  # pages are shared: any one slot may take every free block
+
+    @property
+    def step_capacity(self) -> int:
+        """The most tokens one row of a step can bring: the whole pool."""
+        return self.num_blocks * self.block_size
+
+    def _tokens(self) -> list[int]:
+        """Tokens held per slot (a plan's reserved rows included)."""
+        return self.blocks.tokens
+
+    def _truncate(self, slot: int, tokens: int) -> None:
+        self.blocks.truncate(slot, tokens)
 
     def check_append(self, new_tokens: int | torch.Tensor, slots: torch.Tensor) -> None:
-        """Raise before any write if the free blocks cannot take `new_tokens` (one count or one per row)."""
-        counts = row_counts(new_tokens, slots.numel())
-        self.check_lengths()
-        self.blocks.check_append(slots.tolist(), counts.tolist())
+        """Raise if the free blocks cannot take `new_tokens` (one count or one per row) as a new step:
+        counted as after the step's plan gives back the rows past `lengths` (an open plan's reserved
+        rows among them: a new plan supersedes it). Changes nothing."""
+        counts = row_counts(new_tokens, slots.numel()).tolist()
+        lengths = self._checked_lengths()
+        size, tables = self.block_size, self.blocks.tables
+        free = self.blocks.num_free + sum(len(tables[s]) - blocks_for(n, size) for s, n in enumerate(lengths))
+        slot_ids = slots.tolist()
+        need = sum(
+            blocks_for(lengths[s] + c, size) - blocks_for(lengths[s], size)
+            for s, c in zip(slot_ids, counts, strict=True)
+        )
+        if need > free:
+            raise ValueError(
+                f"out of blocks: appending {counts} tokens to slots {slot_ids} needs {need} more blocks of "
+                f"{size} tokens, {free} of {self.num_blocks} are free"
+            )
 
     def _reserve(self, slots: list[int], counts: list[int], seq_len: int) -> torch.Tensor:
         """Allocate the step's blocks; rows [B, S] of its tokens (padding: the spare row)."""
@@ -251,6 +273,23 @@ class PagedLatentCache(StepCache):
         mapping = torch.tensor(rows, dtype=torch.long)
         self.last_slot_mapping = mapping
         return mapping
+
+    def _undo_point(self) -> tuple:
+        self.blocks.journal = []  # recorded until the plan is made (`_reserved`) or undone
+        return self.blocks.journal, self.last_slot_mapping
+
+    def _undo(self, point) -> None:
+        journal, self.last_slot_mapping = point
+        self.blocks.undo(journal)
+        self.blocks.journal = None
+
+    def _reserved(self) -> None:
+        self.blocks.journal = None
+
+    def _zero_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """Zero token rows `rows` [N] of one layer (every field: a zero latent, scale, rope key)."""
+        with torch.no_grad():
+            self._store[layer].index_fill_(0, rows, 0)
 
     def _bucket(self, keys: int) -> int:
         return key_bucket(keys, multiple=self.block_size)
@@ -283,38 +322,59 @@ class PagedLatentCache(StepCache):
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write one layer's new tokens at the plan's rows; quantizes the latent."""
+        step = self._check_write(plan, layer, c_kv, k_pe)
         lay = self.layout
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, plan.write_rows.reshape(-1), [(lay.latent, c_kv), (lay.rope, k_pe)])
+                step.ran.add(layer)
+                return
             if lay.quant is None:
                 # [B, S] rows index the pool directly: no reshape of the rows or the values
                 latent, rope = self._fields(layer)
                 latent.index_put_((plan.write_rows,), c_kv)
                 rope.index_put_((plan.write_rows,), k_pe)
+                step.ran.add(layer)
                 return
-            rows = self._store[layer]
             target = plan.write_rows.reshape(-1)
             latent = c_kv.detach().reshape(target.numel(), -1)
             values, scale = quantize(latent, lay.quant)
-            # fp8 has no index_copy kernel: its bytes are copied as bytes
-            field_view(rows, lay.latent).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-            field_view(rows, lay.scale).index_copy_(0, target, scale)
-            field_view(rows, lay.rope).index_copy_(0, target, k_pe.detach().reshape(target.numel(), -1))
+            rope = k_pe.detach().to(lay.rope.dtype)
+            self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
+        step.ran.add(layer)
+
+    def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
+        """Fields of token rows `target` [N] written by one `index_put_` of whole rows into the store:
+        under torch.compile, a write into a column, dtype or layer view of the store makes inductor
+        copy the whole store back at every write (issue 23)."""
+        store = self._store
+        if store.dtype == torch.uint8:
+            put_fields(store, layer, target, fields)
+            return
+        new = store[layer].index_select(0, target)  # [N, width]
+        for field, values in fields:
+            start = field.offset // field.dtype.itemsize
+            new[:, start : start + field.count] = values.reshape(target.numel(), -1)
+        store.index_put_((torch.full_like(target, layer), target), new)
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents."""
+        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
+        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
+        self._check_write_index(plan, layer, k_idx)
         target = plan.write_rows.reshape(-1)
-        rows, lay = self._store[layer], self.layout
+        lay = self.layout
         keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
-            if lay.quant is None:
+            if lay.quant is None and torch.compiler.is_compiling():
+                self._put_rows(layer, target, [(lay.index, keys)])
+            elif lay.quant is None:
                 self._field(layer, lay.index).index_copy_(0, target, keys)
             else:
                 if self.index_rotation:
                     keys = hadamard(keys)
                 groups = index_groups(keys.shape[-1], lay.quant)
                 values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
-                field_view(rows, lay.index).view(torch.uint8).index_copy_(0, target, values.view(torch.uint8))
-                field_view(rows, lay.index_scale).index_copy_(0, target, scale)
+                self._put_rows(layer, target, [(lay.index, values), (lay.index_scale, scale)])
 
     def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
@@ -335,11 +395,9 @@ class PagedLatentCache(StepCache):
         return c_kv.view(r, s, k, -1), k_pe.view(r, s, k, -1)
 
     def release(self, slot: int) -> None:
-        """Empty `slot` for reuse and free its blocks."""
-        slot = check_slot(slot, self.batch_size)
-        self.check_lengths()
-        self.blocks.release(slot)
-        self.lengths[slot] = 0
+        """Empty `slot` for reuse and free its blocks; an open plan that writes it goes stale (a
+        cancelled request: its reserved blocks are given back too)."""
+        self._release_slot(check_slot(slot, self.batch_size))
 
     def table(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Block tables of `slots` as a CPU LongTensor [B, width], BLOCK_SENTINEL past each slot's blocks."""

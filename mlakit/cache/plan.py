@@ -88,7 +88,8 @@ class StepPlan:
     slots: torch.Tensor = field(repr=False)  # [B] CPU long
     starts: torch.Tensor = field(repr=False)  # [B] CPU long: lengths before the step
     counts: torch.Tensor = field(repr=False)  # [B] CPU long: new tokens of each row
-    state: str = "open"  # "open" until committed or superseded by a newer plan
+    # "open" until committed, discarded, superseded by a newer plan or made stale (`why` says how)
+    state: str = "open"
     # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
     backend: str | None = None
     # cos/sin in the full-width form `mlakit.rope.apply_tables` reads: keys [B, S, dr], queries
@@ -97,6 +98,18 @@ class StepPlan:
     rope_q: object = field(default=None, repr=False)
     # the short decode form's tensors when the step qualifies (see `lean_step`); None: the general path
     lean: LeanStep | None = field(default=None, repr=False)
+    # the protocol's host bookkeeping (layers never read it; no device sync): the layers that wrote the
+    # step's rows (`cache.write` records them), why the plan is no longer open, the `lengths` tensor
+    # and its version when last seen (a cheap test that nothing lowered a slot's length since), and
+    # the plan whose step this one serves (itself; another after `copy_from`: what a graph replays)
+    ran: set = field(default_factory=set, repr=False)
+    # layer_idx -> id of the module that ran it: each layer_idx runs a step in one module only
+    owners: dict = field(default_factory=dict, repr=False)
+    why: str | None = field(default=None, repr=False)
+    seen: tuple | None = field(default=None, repr=False)
+    host: StepPlan | None = field(default=None, repr=False)
+    # what `cache.write` takes: (c_kv shape, k_pe shape, dtype, device index), made once per plan
+    write_facts: tuple | None = field(default=None, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -108,33 +121,31 @@ class StepPlan:
         return self.row_modes[0] if len(set(self.row_modes)) == 1 else "mixed"
 
     def copy_from(self, other: StepPlan) -> None:
-        """Refill this plan's device tensors with those of `other`, a plan of the same shapes (one
-        bucket): what a captured CUDA graph replays with. Host facts (paths, buckets) must match."""
-
-        def facts(plan):
-            return (
-                plan.cache,
-                plan.batch,
-                plan.seq_len,
-                plan.key_len,
-                plan.row_modes,
-                plan.ragged,
-                None if plan.lean is None else plan.lean.rows,
-                [(g.key_len, g.slot_start, g.rows is None, g.slots is None) for g in plan.groups],
-            )
-
-        if not isinstance(other, StepPlan) or facts(other) != facts(self):
-            raise ValueError(
-                "plans differ in shape (cache, batch, seq_len, key bucket, paths, raggedness, consecutive "
-                "slots or form): capture another graph"
-            )
+        """Refill this plan's device tensors with those of `other`, an open plan of the same cache, slots,
+        counts and shapes (one bucket): what a captured CUDA graph replays with. Every host fact must
+        match (a ValueError names the first that differs: capture another graph). From then on this
+        plan serves `other`'s step: the layers run on it eagerly write `other`'s rows and record it on
+        `other`; using this plan is checked against `other` (stale, committed, ...). A graph replay
+        runs no Python, so it records nothing: after `graph.replay()` call `mark_replayed()`, which
+        credits `other` with the layers this plan ran when it was captured (else `commit(other)` is
+        refused: a refill alone writes no row)."""
+        if not isinstance(other, StepPlan):
+            raise ValueError(f"other must be a StepPlan from cache.plan(...), got {type(other).__name__}")
+        other.check_open()
+        mine, theirs = _host_facts(self), _host_facts(other)
+        for name, a in mine.items():
+            if theirs[name] != a:
+                raise ValueError(
+                    f"plans differ in shape or host facts: {name} {a!r} here, {theirs[name]!r} in other; "
+                    "capture another graph"
+                )
         pairs = [(self.rope_k.cos, other.rope_k.cos), (self.rope_k.sin, other.rope_k.sin)]
         for name in ("positions", "cos", "sin", "write_rows", "kv_lens", "valid", "q_index", "o_index"):
             pairs.append((getattr(self, name), getattr(other, name)))
         pairs.append((self.block_table, other.block_table))
-        for mine, theirs in zip(self.groups, other.groups, strict=True):
+        for mine_g, theirs_g in zip(self.groups, other.groups, strict=True):
             for name in ("rows", "kv_lens", "slots", "read_rows"):
-                pairs.append((getattr(mine, name), getattr(theirs, name)))
+                pairs.append((getattr(mine_g, name), getattr(theirs_g, name)))
         if self.lean is not None:
             # gather_rows is a view of the group's read_rows: refilled with it
             pairs += [(self.lean.bias, other.lean.bias), (self.lean.rotation, other.lean.rotation)]
@@ -144,12 +155,81 @@ class StepPlan:
         for dst, src in pairs:
             if dst is not None:
                 dst.copy_(src)
+        self.host = other
+
+    def mark_replayed(self) -> None:
+        """Record that a graph captured with this plan was replayed after `copy_from(other)`: `other` is
+        credited with the layers this plan ran at capture (exactly what the replay wrote), so that
+        `cache.commit(other)` accepts the step. Refused (ValueError) on a plan never refilled, or one
+        whose step is no longer open."""
+        if self.host is None or self.host is self:
+            raise ValueError(
+                "mark_replayed: this plan was never refilled; call captured.copy_from(plan) before the "
+                "replay, then captured.mark_replayed() after it"
+            )
+        self.host.check_open()
+        self.host.ran |= self.ran
+
+    def claim(self, layer_idx: int, module) -> None:
+        """Record that `module` runs layer `layer_idx` of this step; a second module with the same
+        layer_idx is refused (two layers of a stack built with one index) before it writes. The same
+        module may run again (a retry after it raised rewrites the same rows)."""
+        step = self if self.host is None else self.host
+        if step.owners.setdefault(layer_idx, id(module)) != id(module):
+            raise ValueError(
+                f"layer_idx {layer_idx} already ran this step in another module: two layers of the stack "
+                "have the same layer_idx (MLAAttention(cfg, layer_idx=i) for layer i)"
+            )
+
+    @property
+    def step(self) -> StepPlan:
+        """The plan whose step this one serves: itself, or the plan it was last refilled from."""
+        return self if self.host is None else self.host
 
     def check_open(self) -> None:
-        if self.state != "open":
+        """Refuse (ValueError saying why) a plan that no longer serves an open step: committed,
+        discarded, superseded by a newer plan, or stale (a slot released or a length changed since)."""
+        plan = self if self.host is None else self.host
+        if plan.state != "open":
+            why = "" if plan.why is None else f" ({plan.why})"
             raise ValueError(
-                f"plan is {self.state}; a plan serves one step: make a new one with cache.plan(...)"
+                f"plan is {plan.state}{why}; a plan serves one step: discard it if it is still open "
+                "and make a new one with cache.plan(...)"
             )
+        cache = plan.cache
+        if cache is not None and not torch.compiler.is_dynamo_compiling():
+            seen, lengths = plan.seen, cache.lengths
+            # `lengths` untouched since last seen (one attribute read, no tensor op): nothing to check
+            if seen is None or lengths is not seen[0] or seen[1] is None or lengths._version != seen[1]:
+                cache.check_step(plan)
+
+
+def lengths_seen(lengths: torch.Tensor) -> tuple:
+    """(lengths, its version counter): what `check_open` compares. An inference tensor keeps no version
+    (None): every check then reads the lengths (host values, still no tensor op)."""
+    try:
+        return lengths, lengths._version
+    except RuntimeError:
+        return lengths, None
+
+
+def _host_facts(plan: StepPlan) -> dict:
+    """What a captured graph bakes in (shapes, paths, views) and what commit reads (slots, counts)."""
+    return {
+        "cache": id(plan.cache),
+        "batch": plan.batch,
+        "seq_len": plan.seq_len,
+        "key_len": plan.key_len,
+        "row_modes": plan.row_modes,
+        "ragged": plan.ragged,
+        "rope_key": plan.rope_key,
+        "slots": plan.slots.tolist(),
+        "counts": plan.counts.tolist(),
+        "lean rows": None if plan.lean is None else plan.lean.rows,
+        "row groups (bucket, first consecutive slot, every row, gathered)": [
+            (g.key_len, g.slot_start, g.rows is None, g.slots is None) for g in plan.groups
+        ],
+    }
 
 
 def decide_paths(cfg, starts: list[int], counts: list[int], uniform: bool, mode: str, profile) -> list[str]:
@@ -220,15 +300,18 @@ def make_plan(
     bucket,
     rows_of,
     table_of=None,
+    paths: list[str] | None = None,
 ) -> StepPlan:
-    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows."""
+    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows (`paths`:
+    the path of each row when decided already)."""
     device = cache.device
     slot_t = torch.tensor(slots, dtype=torch.long)
     counts_t = torch.tensor(counts, dtype=torch.long)
     starts = cache.lengths[slot_t].clone()
     kv_lens = starts + counts_t
     positions = starts[:, None] + torch.arange(seq_len)  # [B, S]
-    paths = decide_paths(cache.cfg, starts.tolist(), counts, uniform, mode, profile)
+    if paths is None:
+        paths = decide_paths(cache.cfg, starts.tolist(), counts, uniform, mode, profile)
     ragged = bool((counts_t != seq_len).any())
     q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
     cos, sin = cache.rope.cos_sin(positions.to(device))
@@ -259,6 +342,12 @@ def make_plan(
         rope_k=rope_k,
         rope_q=rope_k.unsqueeze_heads(),
         lean=lean,
+        write_facts=(
+            (len(slots), seq_len, cache.cfg.kv_lora_rank),
+            (len(slots), seq_len, cache.cfg.qk_rope_head_dim),
+            cache.dtype,
+            -1 if device.index is None else device.index,
+        ),
     )
 
 

@@ -114,6 +114,19 @@ def field_view(rows: torch.Tensor, field: Field) -> torch.Tensor:
     return rows[:, field.offset : field.offset + size * field.count].view(field.dtype)
 
 
+def put_fields(
+    store: torch.Tensor, layer: int, target: torch.Tensor, fields: list[tuple[Field, torch.Tensor]]
+) -> None:
+    """Write token rows `target` [N] of one layer of a uint8 pool `store` [layers, rows, row_bytes]:
+    each field's values [N, count] replace its bytes, the rest of each row is kept (read first). One
+    `index_put_` of whole byte rows into the pool tensor itself: writing through dtype, column or
+    layer views of the pool instead makes torch.compile copy the whole pool back (issue 23)."""
+    new = store[layer].index_select(0, target)  # [N, row_bytes]: a fresh copy of the rows
+    for field, values in fields:
+        field_view(new, field).copy_(values.reshape(target.numel(), -1))
+    store.index_put_((torch.full_like(target, layer), target), new)
+
+
 def quantize(
     latent: torch.Tensor, quant: str, groups: int | None = None, pow2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

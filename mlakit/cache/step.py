@@ -1,4 +1,5 @@
-"""StepCache: plan / commit / append, shared by the contiguous and the paged cache.
+"""StepCache: plan / commit / discard / append / write's checks, shared by the contiguous and the paged
+cache (the bookkeeping of lengths and open plans: `protocol.StepBook`).
 
 A subclass provides `check_lengths`, `resolve_slots`, `check_append` (checks that change nothing),
 `_reserve` (the step's rows), `_rows_of` and `_bucket` (what each row group reads) and `write`.
@@ -9,14 +10,16 @@ from __future__ import annotations
 import torch
 
 from mlakit.cache.checks import check_counts, check_positive, int_list
-from mlakit.cache.plan import StepPlan, make_plan
+from mlakit.cache.plan import StepPlan, decide_paths, lengths_seen, make_plan
+from mlakit.cache.protocol import StepBook
 from mlakit.dispatch import check_mode
 from mlakit.rope import RotaryTable
 
 
-class StepCache:
+class StepCache(StepBook):
     def _init_step(self, cfg, device) -> None:
         self.rope = RotaryTable(cfg)
+        # the plan whose rows are reserved and not yet committed (open, or stale until settled)
         self._open: StepPlan | None = None
 
     def _table_of(self, slots: torch.Tensor):
@@ -33,7 +36,8 @@ class StepCache:
         batch: int | None = None,
         bucket: bool = True,
     ) -> StepPlan:
-        """Check one step and reserve its rows; every refusal (ValueError) comes before any change.
+        """Check one step and reserve its rows; every refusal (ValueError) comes before any change, to
+        the cache and to an open plan alike. A plan made while another is open supersedes it.
 
         `new_tokens`: one count for every row or one per row; `slots`: the cache slot of each row
         (default: row b -> slot b); `seq_len`: the padded width S of the hidden states (default: the
@@ -43,75 +47,155 @@ class StepCache:
         one-off step: no masked work, but shapes change every step, so no graph can be reused).
         """
         check_mode(mode)
+        if profile is not None and not callable(getattr(profile, "decide", None)):
+            raise ValueError(
+                "profile must be a CrossoverProfile (mlakit.calibration) or None, "
+                f"got {type(profile).__name__}"
+            )
+        if not isinstance(bucket, bool):
+            raise ValueError(f"bucket must be True or False, got {bucket!r}")
         rows = self._rows_for(new_tokens, slots, batch)
         counts, uniform = check_counts(new_tokens, rows)
         width = max(counts) if seq_len is None else check_positive("seq_len", seq_len)
         if max(counts) > width:
             raise ValueError(f"new_tokens {counts} outside 1..{width} (the padded width seq_len)")
-        self.check_lengths()
+        lengths = self._checked_lengths()
         slot_ids = self.resolve_slots(slots, rows)
         self.check_append(counts[0] if uniform else torch.tensor(counts), slot_ids)
-        # every check passed: from here on the step's rows are reserved
-        if self._open is not None:
-            self._open.state = "superseded"
-        write_rows = self._reserve(slot_ids.tolist(), counts, width)
-        plan = make_plan(
-            self,
-            slot_ids.tolist(),
-            counts,
-            uniform,
-            width,
-            mode,
-            profile,
-            write_rows,
-            self._bucket if bucket else _exact_keys,
-            self._rows_of(slot_ids),
-            self._table_of(slot_ids),
-        )
+        if width > self.step_capacity:
+            raise ValueError(
+                f"seq_len {width} is more tokens than one row of this cache can take "
+                f"({self.step_capacity}); expected the padded width of the step's hidden states"
+            )
+        # the path of each row: the last thing that can fail (a profile's `decide` may raise anything),
+        # decided before any change
+        starts = [lengths[s] for s in slot_ids.tolist()]
+        paths = decide_paths(self.cfg, starts, counts, uniform, mode, profile)
+        # every check passed: from here on the step's rows are reserved; should anything still fail
+        # (memory), the bookkeeping and the open plan are put back as they were
+        old = self._open
+        was = None if old is None else (old.state, old.why)
+        undo = self._undo_point()
+        try:
+            if old is not None and old.state == "open":
+                old.state, old.why = "superseded", "a newer plan was made"
+            self._open = None
+            self._settle(lengths)
+            write_rows = self._reserve(slot_ids.tolist(), counts, width)
+            plan = make_plan(
+                self,
+                slot_ids.tolist(),
+                counts,
+                uniform,
+                width,
+                mode,
+                profile,
+                write_rows,
+                self._bucket if bucket else _exact_keys,
+                self._rows_of(slot_ids),
+                self._table_of(slot_ids),
+                paths=paths,
+            )
+        except BaseException:
+            self._undo(undo)
+            if old is not None:
+                old.state, old.why = was
+            self._open = old
+            raise
+        self._reserved()
         self._open = plan
+        plan.seen = lengths_seen(self.lengths)
         return plan
+
+    def _undo_point(self):
+        """What `_undo` needs to put the host bookkeeping back as it is now (cheap: no copy of a pool's
+        free list)."""
+        return None
+
+    def _undo(self, point) -> None:
+        """Put the bookkeeping back as it was at `point` (a plan that failed after its checks)."""
+
+    def _reserved(self) -> None:
+        """The plan is made: the changes to the buffers `_reserve` left for after (none by default)."""
 
     def _rows_for(self, new_tokens, slots, batch) -> int:
         if batch is not None:
-            return check_positive("batch", batch)
+            rows = check_positive("batch", batch)
+            if rows > self.batch_size:
+                raise ValueError(f"batch of {rows} rows, but the cache has {self.batch_size} slots")
+            return rows
         if slots is not None:
             return len(int_list(slots, "slots"))
         if not isinstance(new_tokens, int) and not hasattr(new_tokens, "__index__"):
             return len(int_list(new_tokens, "new_tokens"))
         return self.batch_size
 
-    def commit(self, plan: StepPlan) -> None:
-        """Advance `lengths` by the plan's new tokens: the step is done for every layer."""
+    def commit(self, plan: StepPlan, *, layers=None) -> None:
+        """Advance `lengths` by the plan's new tokens: the step is done.
+
+        Refused (ValueError naming them) while a layer of the cache has not written the step's rows:
+        every layer by default; `layers` (a list of layer indices) names the layers this step writes
+        when that is on purpose fewer (the step's rows in the layers that did not write are then
+        zeroed: they never show what a reused row held before). A stale
+        plan (a slot released, a length changed since it was made) is refused too.
+        """
         self._check_plan(plan)
-        if not torch.equal(self.lengths[plan.slots], plan.starts):
+        step = plan.step
+        step.check_open()
+        self.check_step(step)
+        need = self._layers_arg(layers)
+        missing = [i for i in need if i not in step.ran]
+        if missing:
+            wrote = sorted(step.ran)
             raise ValueError(
-                f"lengths of slots {plan.slots.tolist()} changed since the plan "
-                f"({plan.starts.tolist()} -> {self.lengths[plan.slots].tolist()}); plan the step again"
+                f"layers {missing} did not write this step (layers that wrote: {wrote}); run them with "
+                "this plan, name the layers the step writes with commit(plan, layers=[...]), or "
+                "cache.discard(plan)"
             )
-        self.lengths[plan.slots] = plan.starts + plan.counts
-        plan.state = "committed"
+        if layers is not None:
+            # the layers that did not write keep no stale rows under the new tokens (a reused page
+            # may hold a released request's latents): zeroed, as the contiguous cache's new rows are
+            rows = step.write_rows.reshape(-1)
+            for i in range(self.num_layers):
+                if i not in step.ran:
+                    self._zero_rows(i, rows)
+        self.lengths[step.slots] = step.starts + step.counts
+        step.state = "committed"
         self._open = None
 
     def discard(self, plan: StepPlan) -> None:
-        """Give up an open plan (a layer failed): `lengths` stay; rows reserved for it are dropped."""
+        """Give up a plan that is open or stale (a layer failed, a request was cancelled): `lengths`
+        stay; the rows reserved for it are given back."""
         self._check_plan(plan)
-        plan.state = "discarded"
-        self._open = None
-        self.check_lengths()
+        step = plan.step
+        if step.state not in ("open", "stale"):
+            step.check_open()  # says what happened to it
+        lengths = self._checked_lengths()
+        step.state = "discarded"
+        if self._open is step:
+            self._open = None
+        self._settle(lengths)
 
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, StepPlan):
             raise ValueError(f"plan must be a StepPlan from cache.plan(...), got {type(plan).__name__}")
-        if plan.cache is not self:
+        if plan.cache is not self or plan.step.cache is not self:
             raise ValueError("plan was made by another cache")
-        plan.check_open()
 
     def append(self, c_kv: torch.Tensor, k_pe: torch.Tensor, slots=None, *, layer: int = 0) -> torch.Tensor:
         """Write normalized latents [B,S,L] and rotated rope keys [B,S,dr] of one layer and advance
-        `lengths` (plan / write / commit in one call); returns the slots used."""
+        `lengths` (plan / write / commit in one call); returns the slots used. A cache of one layer
+        only: `lengths` are shared by every layer, so on a cache of several layers one step is
+        `plan`, then `write` for each layer, then `commit` (refused here, before any change)."""
         self._check_entries(c_kv, k_pe)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        if self.num_layers > 1:
+            raise ValueError(
+                f"append(layer={layer}) on a cache of {self.num_layers} layers would advance lengths for "
+                "every layer after writing one: plan = cache.plan(...), cache.write(plan, layer, c_kv, "
+                "k_pe) for each layer, then cache.commit(plan)"
+            )
         b, s, _ = c_kv.shape
         if s == 0:
             raise ValueError(f"appending 0 tokens; expected at least 1 (c_kv has shape {tuple(c_kv.shape)})")
@@ -119,6 +203,62 @@ class StepCache:
         self.write(plan, layer, c_kv, k_pe)
         self.commit(plan)
         return plan.slots
+
+    def _check_write(self, plan, layer, c_kv, k_pe) -> StepPlan:
+        """Checks of `write` (host facts only: no tensor op, no device sync; ~1 us when they pass);
+        returns the plan's step, on which the write then records `layer`."""
+        if type(plan) is not StepPlan or plan.cache is not self:
+            self._check_plan(plan)
+        step = plan if plan.host is None else plan.host
+        step.check_open()
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        c_shape, k_shape, dtype, device = plan.write_facts
+        ok = (
+            isinstance(c_kv, torch.Tensor)
+            and isinstance(k_pe, torch.Tensor)
+            and c_kv.shape == c_shape
+            and k_pe.shape == k_shape
+            and c_kv.dtype is dtype
+            and k_pe.dtype is dtype
+            # the device index (-1: the CPU): cheaper than building torch.device objects
+            and c_kv.get_device() == k_pe.get_device() == device
+        )
+        if not ok:
+            self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe)
+        return step
+
+    def _check_write_index(self, plan, layer, k_idx) -> None:
+        """Checks of `write_index` (host facts only, as `_check_write`): the plan open, `layer` in range,
+        k_idx [B, S, index_head_dim] in the cache's dtype and on its device."""
+        if type(plan) is not StepPlan or plan.cache is not self:
+            self._check_plan(plan)
+        plan.check_open()
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        width = self.cfg.index_head_dim
+        if not self.cfg.is_sparse:
+            raise ValueError("k_idx: this cache holds no indexer keys (its config is dense MLA, not DSA)")
+        want = (plan.batch, plan.seq_len, width)
+        device = plan.write_facts[3]
+        if not isinstance(k_idx, torch.Tensor) or k_idx.shape != want:
+            shape = tuple(k_idx.shape) if isinstance(k_idx, torch.Tensor) else type(k_idx).__name__
+            raise ValueError(f"k_idx has shape {shape}, the plan writes {want}")
+        if k_idx.dtype is not self.dtype or k_idx.get_device() != device:
+            raise ValueError(
+                f"k_idx is {k_idx.dtype} on {k_idx.device}, the cache takes {self.dtype} on {self.device}"
+            )
+
+    def _refuse_write(self, rows: tuple, c_kv, k_pe) -> None:
+        cfg = self.cfg
+        for name, t, width in (("c_kv", c_kv, cfg.kv_lora_rank), ("k_pe", k_pe, cfg.qk_rope_head_dim)):
+            if not isinstance(t, torch.Tensor) or t.shape != (*rows, width):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} has shape {shape}, the plan writes {(*rows, width)}")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{name} is {t.dtype} on {t.device}, the cache takes {self.dtype} on {self.device}"
+                )
 
     def _check_entries(self, c_kv, k_pe) -> None:
         cfg = self.cfg

@@ -68,12 +68,13 @@ def run(args) -> int:
     )
     path = output_path(args.out, opts.model, dtype, device)
     profile, _ = calibrate(opts)
-    saved = profile.save(path)
+    # a profile failing its own checks is noise: saved, "auto" would follow it (and replace a good one)
+    saved = profile.save(path) if profile.consistent else None
     if args.json:
         emit_json({**profile.to_dict(), "path": saved})
-        return 0
-    _print(profile, saved)
-    return 0
+    else:
+        _print(profile, saved)
+    return 0 if saved else 1
 
 
 def _print(profile, path: str) -> None:
@@ -89,6 +90,15 @@ def _print(profile, path: str) -> None:
     for t, why in profile.extra.get("unmeasured", {}).items():
         print(f"  {t:>7} {'not measured':>24}  (noise: {why})")
     for warning in profile.extra.get("warnings", []):
-        print(f"  warning: {warning}: noise, or a real change; rerun to tell")
+        print(f"  failed check: {warning}: the crossover barely moves with context, so this is noise")
+    if path is None:
+        print(
+            "not saved: the profile fails its own consistency checks, and mode='auto' must not follow it; "
+            "rerun with --threads 1 or at a quieter moment"
+        )
+        return
     print(f"saved {path}")
-    print("mode='auto' follows it for layers of these widths, dtype and device (mlakit.calibration.attach)")
+    print(
+        "mode='auto' follows it for layers of these widths, dtype and device once attached: "
+        "mlakit.calibration.attach(layer) (docs/calibrate.md)"
+    )

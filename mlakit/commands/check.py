@@ -10,7 +10,9 @@ from mlakit.commands.memory import check_run_bytes
 
 DTYPES = ("bf16", "fp32")
 VALUE_BYTES = {"fp32": 4, "bf16": 2}
-MAX_DECODE_STEPS = 4096  # each step is one timed call per path; more is a benchmark, not a check
+MAX_DECODE_STEPS = 4096
+# ops.materialize.DEFAULT_WORKSPACE_TOKENS, kept here so that the command loads without torch (tested equal)
+WORKSPACE_TOKENS = 4096  # each step is one timed call per path; more is a benchmark, not a check
 
 
 def register(sub) -> None:
@@ -30,6 +32,9 @@ def register(sub) -> None:
     )
     p.add_argument("--batch", type=count_type("batch", 1), default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, help="torch threads (default: chosen as mlakit bench does: load and a probe)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -53,6 +58,22 @@ def run_path(layer, cfg, mode, prompt, steps, dtype):
     return outs, t1 - t0, (t2 - t1) / max(1, len(steps))
 
 
+def dsa_bytes(cfg, batch: int, prefill: int, steps: int, value_bytes: int) -> int:
+    """What a DSA layer adds to `check_run_bytes` (0 for dense MLA): the indexer keys of both caches,
+    the prefill's selection and the dense-masked path's key mask of one key block (index scores are
+    scored a block of queries at a time within the score budget, counted in its slack)."""
+    if not cfg.is_sparse:
+        return 0
+    tokens = prefill + steps
+    picked = batch * prefill * min(cfg.index_topk, tokens)
+    return (
+        2 * batch * tokens * cfg.index_head_dim * value_bytes  # indexer keys, one cache per path
+        + 3 * picked * 8  # the selection (long), clamped rows and the hidden mask beside it
+        + batch * prefill * (min(tokens, WORKSPACE_TOKENS) + 1)  # sparse-materialize: one
+        # key block's selected keys [B, S, t+1] bool
+    )
+
+
 def rel_diff(a: list, b: list) -> float:
     num = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
     den = max(float(y.float().abs().max()) for y in b)
@@ -60,16 +81,22 @@ def rel_diff(a: list, b: list) -> float:
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     for name in ("prefill", "decode_steps", "batch"):
         if getattr(args, name) < (0 if name == "decode_steps" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     cfg = resolve_model(args.model)
     need = check_run_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
+    need += dsa_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     check_memory(need, f"{cfg.name} at batch {args.batch}, prefill {args.prefill:,}", "--batch or --prefill")
     import torch
 
     from mlakit.attention import MLAAttention
+    from mlakit.bench.machine_state import measure_state
 
+    state = measure_state(args.threads)  # bench's choice: 1 thread when the cores are busy
+    torch.set_num_threads(state.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -80,6 +107,7 @@ def run(args) -> int:
     result = {"model": cfg.name, "dtype": args.dtype, "batch": args.batch, "prefill": args.prefill}
     result["decode_steps"] = args.decode_steps
     result["threads"] = torch.get_num_threads()
+    result["threads_reason"] = state.reason
     outs = {}
     for mode in ("absorb", "materialize"):
         outs[mode], prefill_s, decode_s = run_path(layer, cfg, mode, prompt, steps, dtype)
@@ -94,6 +122,7 @@ def run(args) -> int:
         f"batch {args.batch}, prefill {args.prefill} + {args.decode_steps} decode steps, "
         f"{result['threads']} threads"
     )
+    print(f"threads: {result['threads_reason']}")
     print(f"{'path':<12} {'prefill ms':>11} {'decode ms/step':>15}")
     for mode in ("absorb", "materialize"):
         r = result[mode]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 from mlakit.commands import emit_json
+from mlakit.commands import v4 as _v4
 from mlakit.commands.args import count_type, resolve_model
 from mlakit.cost import (
     CACHE_DTYPES,
@@ -68,14 +71,17 @@ def check_tokens(name: str, value: int, low: int) -> None:
         raise ValueError(f"--{name} must be >= {low}, got {value}")
 
 
+DEFAULT_MACHINE = "h100"
+
+
 def register(sub) -> None:
     p = sub.add_parser("cost", help="every term of both paths, both totals and the predicted times")
-    add_model_args(p, context_default=None)
+    add_model_args(p)  # --context defaults to 4K as in crossover and cache
     p.add_argument(
         "--new", type=count_type("new", 1), required=True, help="new tokens attending to the context"
     )
     p.add_argument("--dtype", choices=CACHE_DTYPES, default="bf16", help="cache dtype (bf16)")
-    add_machine_arg(p, "h100")
+    add_machine_arg(p, DEFAULT_MACHINE)
     add_counting_arg(p)
     p.add_argument("--fused", action="store_true", help="materialize keeps expanded K/V on chip")
     p.set_defaults(func=run)
@@ -84,6 +90,10 @@ def register(sub) -> None:
 def run(args) -> int:
     check_tokens("context", args.context, 0)
     check_tokens("new", args.new, 1)
+    if _v4.is_v4(args.model):
+        check_tokens("context", args.context, 1)  # as `mlakit cache` on a V4 model
+        _note_v4_ignored(args)
+        return _v4.run_cost(args)
     cfg = resolve_model(args.model)
     machine = machine_from_arg(args.machine)
     report = cost_report(cfg, args.context, args.new, args.dtype, machine, args.counting, args.fused)
@@ -94,11 +104,35 @@ def run(args) -> int:
     return 0
 
 
+def _note_v4_ignored(args) -> None:
+    """The V4 terms count multiply-adds and bytes only: say so when roofline flags were given."""
+    given = [
+        flag
+        for flag, changed in (
+            ("--machine", args.machine != DEFAULT_MACHINE),
+            ("--counting", args.counting != DEFAULT_COUNTING),
+            ("--fused", args.fused),
+        )
+        if changed
+    ]
+    if given:
+        print(
+            f"mlakit cost: {', '.join(given)} ignored for a V4 model (its terms are multiply-adds and "
+            "bytes read, no roofline)",
+            file=sys.stderr,
+        )
+
+
 def print_report(r: dict) -> None:
     print(
         f"{r['model']}: {r['new']:,} new tokens over {r['context']:,} cached, {r['dtype']} cache, "
         f"{r['counting']} counting, roofline on {r['machine']['name']} (per layer, per sequence)"
     )
+    if "sparse" in r:
+        print(
+            "DSA model: the rows down to the DSA section are a dense layer's of these widths (no indexer); "
+            "what this model runs, and its answer, is the DSA section"
+        )
     print(f"{'path':<12} {'term':<20} {'multiply-adds':>16} {'bytes':>14} {'time':>10}  bound")
     for path in ("materialize", "absorb", "shared"):
         for name, t in r["terms"][path].items():
@@ -109,10 +143,12 @@ def print_report(r: dict) -> None:
             f"{path:<12} {'total':<20} {_figures(t)}  (with shared projections: "
             f"{t['macs_with_shared']:,.0f} MACs, {format_seconds(t['time_s_with_shared'])})"
         )
-    c = r["crossover"]
-    print(f"fewer multiply-adds: {r['fewer_macs']}; predicted faster: {r['faster']}")
+    d = r.get("dense_layer", r)  # a DSA model's top-level answer is the sparse one (its section below)
+    c = d["crossover"]
+    dense = "dense layer: " if "sparse" in r else ""
+    print(f"{dense}fewer multiply-adds: {d['fewer_macs']}; predicted faster: {d['faster']}")
     print(
-        f"crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
+        f"{dense}crossover at this context ({r['counting']} counting): {_tok(c['exact'])} new tokens "
         "(multiply-adds), "
         f"{_tok(c['roofline'])} (roofline); long-context limit {_tok(c['asymptotic'])}"
     )

@@ -4,8 +4,9 @@ family of transformers with whether `mlakit.hf.patch` covers it (and why not).""
 from __future__ import annotations
 
 from mlakit.commands import emit_json
+from mlakit.commands.v4 import print_v4_models, v4_models
 from mlakit.config import PRESETS, MLAConfig
-from mlakit.hf.families import FAMILIES
+from mlakit.hf.families import FAMILIES, V4_FAMILIES
 
 _COLUMNS = (
     ("model", "name", "{:<16}"),
@@ -52,14 +53,14 @@ def families() -> list[dict]:
             "reason": f.refused,
             "differences": f.differences,
         }
-        for name, f in FAMILIES.items()
+        for name, f in {**FAMILIES, **V4_FAMILIES}.items()
     ]
 
 
 def run(args) -> int:
     rows = [describe(MLAConfig.preset(name)) for name in PRESETS]
     if args.json:
-        emit_json({"presets": rows, "families": families()})
+        emit_json({"presets": rows, "families": families(), "v4_presets": v4_models()})
         return 0
     head = " ".join(fmt.format(title) for title, _, fmt in _COLUMNS)
     print(f"{head} {'cache/token/layer':>18} {'expanded':>9}")
@@ -67,6 +68,7 @@ def run(args) -> int:
         cells = " ".join(fmt.format(str(r[key])) for _, key, fmt in _COLUMNS)
         c = r["cache_values_per_token_per_layer"]
         print(f"{cells} {c['mla']:>18} {c['expanded']:>9}")
+    print_v4_models(v4_models())
     print(f"\ntransformers families (mlakit.hf.patch):\n{'family':<20} {'attention':<28} patched")
     for f in families():
         print(f"{f['family']:<20} {f['attention']:<28} {'yes' if f['patched'] else 'no: ' + f['reason']}")

@@ -113,8 +113,10 @@ def cache_layouts(cfg: MLAConfig, gqa_groups=DEFAULT_GQA_GROUPS) -> dict[str, Ca
 
 
 def mla_equivalent_gqa_groups(cfg: MLAConfig) -> float:
-    """The GQA group count whose cache equals MLA's: (L + dr) / (nope + v); 2.25 at V2/V3 widths."""
-    return cfg.latent_dim / (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    """The GQA group count whose cache equals the model's MLA cache: (L + dr) / (nope + v), 2.25 at V2/V3
+    widths; a DSA model caches its indexer key too, (L + dr + d_I) / (nope + v): 2.75 for V3.2."""
+    values = cfg.latent_dim + (cfg.index_head_dim if cfg.is_sparse else 0)
+    return values / (cfg.qk_nope_head_dim + cfg.v_head_dim)
 
 
 def cache_economics(cfg: MLAConfig, context: int, dtype: str = "bf16", gqa_groups=DEFAULT_GQA_GROUPS) -> dict:
@@ -124,17 +126,32 @@ def cache_economics(cfg: MLAConfig, context: int, dtype: str = "bf16", gqa_group
         raise ValueError(f"context must be an integer number of tokens >= 0, got {context!r}")
     layouts = cache_layouts(cfg, gqa_groups)
     per_layer = {name: lay.bytes(dtype) for name, lay in layouts.items()}
+    values = {name: lay.values for name, lay in layouts.items()}
+    if cfg.is_sparse:
+        values, per_layer = _with_indexer_row(cfg, dtype, values, per_layer)
     out = {
         "num_layers": cfg.num_layers,
-        "values_per_token_per_layer": {name: lay.values for name, lay in layouts.items()},
+        "values_per_token_per_layer": values,
         "bytes_per_token_per_layer": per_layer,
         "bytes_per_token": {name: b * cfg.num_layers for name, b in per_layer.items()},
         "bytes_per_sequence": {name: b * cfg.num_layers * context for name, b in per_layer.items()},
-        "mla_equivalent_gqa_groups": mla_equivalent_gqa_groups(cfg),
+        "mla_equivalent_gqa_groups": mla_equivalent_gqa_groups(cfg),  # the mla+indexer row for DSA
     }
     if cfg.is_sparse:
         out["indexer"] = _indexer_economics(cfg, context, dtype, per_layer["mla"])
+        out["dense_layer"] = {
+            "mla_equivalent_gqa_groups": cfg.latent_dim / (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        }
     return out
+
+
+def _with_indexer_row(cfg: MLAConfig, dtype: str, values: dict, per_layer: dict) -> tuple[dict, dict]:
+    """A DSA model caches the latent and its indexer key: that row ("mla+indexer") comes first; "mla"
+    stays beside it as the latent alone (what a dense layer of these widths caches)."""
+    key = "mla+indexer"
+    values = {key: values["mla"] + cfg.index_head_dim, **values}
+    per_layer = {key: per_layer["mla"] + index_key_bytes(cfg, dtype), **per_layer}
+    return values, per_layer
 
 
 def _indexer_economics(cfg: MLAConfig, context: int, dtype: str, mla_per_layer: int) -> dict:

@@ -35,8 +35,16 @@ def cost_report(
         terms[mode] = _rows(macs, nbytes, times)
     totals = {mode: _totals(terms[mode], terms["shared"]) for mode in MODES}
     point = crossover(cfg, context, model)
-    sparse = {"sparse": sparse_cost(cfg, context, new, dtype, model)} if cfg.is_sparse else {}
-    return {
+    answer = {
+        "fewer_macs": min(MODES, key=lambda m: (totals[m]["macs"], m)),
+        "faster": min(MODES, key=lambda m: (totals[m]["time_s"], m)),
+        "crossover": {
+            "exact": point.exact,
+            "asymptotic": point.asymptotic,
+            "roofline": roofline_crossover(cfg, context, profile, dtype, model, fused),
+        },
+    }
+    out = {
         "model": cfg.name,
         "context": context,
         "new": new,
@@ -46,14 +54,29 @@ def cost_report(
         "machine": profile.to_dict(),
         "terms": terms,
         "totals": totals,
-        "fewer_macs": min(MODES, key=lambda m: (totals[m]["macs"], m)),
-        "faster": min(MODES, key=lambda m: (totals[m]["time_s"], m)),
+        **answer,
+    }
+    if cfg.is_sparse:
+        out.update(sparse_answer(sparse_cost(cfg, context, new, dtype, model), answer))
+    return out
+
+
+def sparse_answer(sparse: dict, dense: dict) -> dict:
+    """A DSA model's one answer at the top level (the sparse paths'); the dense layer's under
+    "dense_layer", beside "terms" and "totals", which are that dense layer's rows. The sparse crossover is
+    a band of new tokens (exact <= new < below; None: never); no roofline or long-context limit is
+    modelled for the sparse paths, so "faster" is None and the crossover has no such keys."""
+    band = sparse["crossover"]
+    return {
+        "fewer_macs": sparse["fewer_macs"],
+        "faster": None,
         "crossover": {
-            "exact": point.exact,
-            "asymptotic": point.asymptotic,
-            "roofline": roofline_crossover(cfg, context, profile, dtype, model, fused),
+            "exact": None if band is None else band[0],
+            "below": None if band is None else band[1],
+            "materialize_cheaper": None if band is None else {"from": band[0], "below": band[1]},
         },
-        **sparse,
+        "dense_layer": {**dense, "rows": "terms and totals are this dense layer's (no indexer)"},
+        "sparse": sparse,
     }
 
 
@@ -108,7 +131,7 @@ def markdown_tables(context: int = 4096, sequence: int = 131072, machine: str = 
             f"{per_tok['int8']['mla']:,} B",
             format_bytes(per_tok["bf16"]["expanded"]),
             format_bytes(per_tok["bf16"]["mha"]),
-            f"{e['bf16']['mla_equivalent_gqa_groups']:.3g}",
+            f"{e['bf16'].get('dense_layer', e['bf16'])['mla_equivalent_gqa_groups']:.3g}",  # the latent's
             format_bytes(seq["mla"]),
             format_bytes(seq["mha"]),
         ]

@@ -295,6 +295,6 @@ def sparse_cost(
         "totals": totals,
         "fewer_macs": min(SPARSE_MODES, key=lambda m: (totals[m]["macs"], m)),
         "auto_picks": choose_sparse(cfg, new, context),
-        "crossover": sparse_crossover(cfg, context),
+        "crossover": sparse_crossover(cfg, context, model),  # the report's counting, as the page's
         "summary": dsa_report(cfg),
     }

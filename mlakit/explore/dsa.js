@@ -152,3 +152,42 @@ function drawDsaChart(state) {
   }
   svg("line", { class: "context-line", x1: x.at(state.context), x2: x.at(state.context), y1: DCHART.top, y2: DCHART.height - DCHART.bottom }, chart);
 }
+
+// ---- one answer for a DSA model: the headline card gives the sparse crossover band (what the model
+// runs past index_topk), the dense figure beside it, labelled as the dense layer's
+
+function bandText(band) {
+  return band === null ? "never" : `${fixed1(band[0])} ≤ new < ${band[1] === null ? "∞" : fixed1(band[1])}`;
+}
+
+function drawHeadline(state, exact) {
+  const sparse = isSparse(state.w), box = $("crossover-exact");
+  $("crossover-kind").textContent = sparse ? "DSA: sparse-materialize cheaper than sparse-absorb" : "crossover at this context";
+  $("limit-kind").textContent = sparse ? " (a dense layer of these widths)" : "";
+  $("crossover-dense").hidden = !sparse;
+  if (!sparse) {
+    delete box.dataset.lower;
+    delete box.dataset.upper;
+    setValue("crossover-exact", exact);
+    $("crossover-dense").dataset.value = "";
+    return;
+  }
+  const band = sparseCrossover(state.w, state.context, state.counting);
+  box.dataset.lower = band === null ? "none" : String(band[0]);
+  box.dataset.upper = band === null || band[1] === null ? "none" : String(band[1]);
+  setValue("crossover-exact", band === null ? null : band[0], bandText(band));
+  setValue("crossover-dense", exact, "the dense layer's crossover: " + tokens(exact));
+  $("chart-title").textContent += " (a dense layer of these widths; the DSA panel has the sparse paths)";
+}
+
+// the cache table's rows: a DSA model caches its indexer key beside the latent ("mla+indexer", first),
+// "mla" stays as the latent alone (mlakit/cost/cache_size.py)
+function cacheKinds(w, groups, dtype) {
+  const rows = [];
+  const lays = layouts(w, groups);
+  if (isSparse(w)) {
+    rows.push(["mla+indexer", layoutValues(lays.mla) + w.index_head_dim, layoutBytes(lays.mla, dtype) + indexKeyBytes(w, dtype)]);
+  }
+  for (const [kind, lay] of Object.entries(lays)) rows.push([kind, layoutValues(lay), layoutBytes(lay, dtype)]);
+  return { rows, lays };
+}

@@ -8,7 +8,8 @@ const XCHART = { width: 720, height: 320, left: 70, right: 20, top: 20, bottom: 
 const NEW_MAX = INPUTS.new_range[1];
 const INDEX_FIELDS = ["index_n_heads", "index_head_dim", "index_topk"]; // 0: dense MLA (no indexer)
 const ALL_FIELDS = [...FIELDS, "hidden_size", "q_lora_rank", ...INDEX_FIELDS];
-const VIEW_KEYS = ["model", "context", "counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new"];
+const VIEW_KEYS = ["model", "context", "counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new", ...CAPACITY_INPUTS];
+const STALE = ["chart", "xchart", "cache-table", "dsa-decode", "dsa-terms", "dsa-chart", "capacity-table"];
 let VIEW = null; // the last valid state, for the hover readouts
 
 function svg(tag, attrs, parent) {
@@ -44,26 +45,29 @@ function readState() {
   const name = $("model").value;
   const w = {};
   for (const f of ALL_FIELDS) {
-    w[f] = Number($("custom-" + f).value);
+    const text = $("custom-" + f).value.trim();
+    w[f] = /^[0-9]{1,15}$/.test(text) ? Number(text) : NaN;
     const low = f === "q_lora_rank" || INDEX_FIELDS.includes(f) ? 0 : 1;
     if (!Number.isInteger(w[f]) || w[f] < low) errors.push(`${f} must be an integer >= ${low}, got "${$("custom-" + f).value}"`);
   }
   if (w.q_lora_rank === 0) w.q_lora_rank = null;
   if (w.qk_rope_head_dim % 2) errors.push(`qk_rope_head_dim must be even, got ${w.qk_rope_head_dim}`);
   errors.push(...indexerErrors(w));
-  const context = Number($("context").value);
   const [lo, hi] = INPUTS.context_range;
-  if ($("context").value.trim() === "" || !Number.isInteger(context) || context < lo || context > hi) {
-    errors.push(`context must be a whole number of tokens from ${groupDigits(lo)} to ${groupDigits(hi)}, got "${$("context").value}"`);
+  const context = parseCount($("context").value, lo, hi); // as the CLI reads --context: 32K = 32,768
+  if (context === null) {
+    errors.push(`context must be a whole number of tokens from ${groupDigits(lo)} to ${groupDigits(hi)} (4K = 4,096, 1M = 1,048,576), got "${$("context").value}"`);
   }
   const groups = parseGroups($("gqa-groups").value);
   if (groups === null) errors.push(`GQA groups must be comma-separated positive integers, got "${$("gqa-groups").value}"`);
   const machine = $("machine").value === "none" ? null : INPUTS.machines[$("machine").value];
-  const newTokens = Number($("dsa-new").value);
-  if (isSparse(w) && (!Number.isInteger(newTokens) || newTokens < 1 || newTokens > NEW_MAX)) {
+  const newTokens = parseCount($("dsa-new").value, 1, NEW_MAX);
+  if (isSparse(w) && newTokens === null) {
     errors.push(`new tokens (DSA terms) must be a whole number from 1 to ${groupDigits(NEW_MAX)}, got "${$("dsa-new").value}"`);
   }
-  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value, machine, newTokens };
+  const cap = readCapacity(w);
+  errors.push(...cap.errors);
+  const state = { name, w, context, groups, counting: $("counting").value, dtype: $("dtype").value, machine, newTokens, capacity: cap.inputs };
   return { state, errors };
 }
 
@@ -83,11 +87,13 @@ function indexerErrors(w) {
 function update() {
   const { state, errors } = readState();
   $("error").textContent = errors.join("; ");
-  for (const id of ["chart", "xchart", "cache-table", "dsa-decode", "dsa-terms", "dsa-chart"]) $(id).classList.toggle("stale", errors.length > 0);
-  if (errors.length) return;
+  for (const id of STALE) $(id).classList.toggle("stale", errors.length > 0);
+  if (errors.length) {
+    clearCards();
+    return;
+  }
   $("counting-label").textContent = state.counting;
   const exact = crossover(state.w, state.context, state.counting);
-  setValue("crossover-exact", exact);
   setValue("crossover-limit", asymptotic(state.w));
   $("machine-label").textContent = state.machine ? state.machine.name : "— (pick a machine)";
   const bench = benchView(state);
@@ -99,8 +105,21 @@ function update() {
   drawChart(state, exact, roof, bench);
   drawCrossoverChart(state, bench);
   drawDsa(state, state.newTokens);
+  drawHeadline(state, exact);
+  drawCapacity(state);
   VIEW = { state, bench };
   saveView();
+}
+
+// a figure of the last good input must not stand beside an error: every card says "—" until it is fixed
+function clearCards() {
+  for (const el of document.querySelectorAll(".box .v[id], .box .v [id], .box .s [id], #crossover-dense")) {
+    el.dataset.value = "invalid";
+    delete el.dataset.lower;
+    delete el.dataset.upper;
+    el.textContent = "—";
+  }
+  VIEW = null;
 }
 
 // ---- the chart: both paths against new tokens, log-log; multiply-adds, or time on a machine
@@ -124,10 +143,15 @@ function drawChart(state, exact, roof, bench) {
   const x = logScale(1, NEW_MAX, CHART.left, CHART.width - CHART.right, true);
   const batch = bench ? bench.batch : 1;
   const label = state.machine ? `ms per layer step on ${state.machine.name} (batch ${batch})` : "multiply-adds per layer (core)";
-  $("chart-title").textContent = state.machine ? "Predicted (roofline) and measured time against new tokens" : "Multiply-adds of both paths against new tokens";
+  const shown = Boolean(bench && state.machine); // "measured" only where measured data is drawn
+  $("legend-measured").hidden = !shown;
+  $("chart-title").textContent = state.machine
+    ? `Predicted (roofline)${shown ? " and measured" : ""} time against new tokens`
+    : "Multiply-adds of both paths against new tokens";
   $("chart-note").textContent = state.machine
-    ? `Lines: roofline time of a whole layer step (projections included), ${state.timeDtype}, ${state.counting} counting, on ${state.machine.name}; dots: measured medians. Same axis.`
-    : "Attention core only: the shared projections (q, kv down, o_proj) are the same for both paths. Pick a machine to compare with measured times.";
+    ? `Lines: roofline time of a whole layer step (projections included), ${state.timeDtype}, ${state.counting} counting, on ${state.machine.name}` +
+      (shown ? "; dots: measured medians. Same axis." : "; no measured times for this model (mlakit bench --explore adds them).")
+    : "Attention core only: the shared projections (q, kv down, o_proj) are the same for both paths." + (INPUTS.bench ? " Pick a machine to compare with measured times." : "");
   drawAxes(chart, x, y, CHART, label, "new tokens (1 = decode)");
   for (const mode of PATHS) svg("path", { id: "line-" + mode, class: "line " + mode, d: pathD(lines[mode], x, y) }, chart);
   const marker = svg("g", { id: "crossover-marker", "data-new": exact === null ? "none" : String(exact) }, chart);
@@ -200,6 +224,7 @@ function drawCrossoverChart(state, bench) {
     }
   }
   const points = bench ? measuredPoints(bench) : [];
+  $("xlegend-measured").hidden = points.length === 0;
   const ys = [...series.main, ...series.other, ...series.roof, ...points].map((p) => p[1]);
   if (!ys.length) ys.push(1, 10);
   const x = logScale(lo, hi, XCHART.left, XCHART.width - XCHART.right, true);
@@ -289,17 +314,15 @@ function showCrossReadout(c) {
 function drawCache(state) {
   const body = $("cache-body");
   body.replaceChildren();
-  const groups = [...new Set([...INPUTS.gqa_groups, ...state.groups])].sort((a, b) => a - b);
-  const lays = layouts(state.w, groups);
-  for (const [kind, lay] of Object.entries(lays)) {
-    const perLayer = layoutBytes(lay, state.dtype);
+  const { rows, lays } = cacheKinds(state.w, state.groups, state.dtype); // exactly the box's groups
+  for (const [kind, values, perLayer] of rows) {
     const perToken = perLayer * state.w.num_layers;
     const perSeq = perToken * state.context;
     const tr = document.createElement("tr");
     tr.dataset.kind = kind;
     const cells = [
       ["kind", kind, kind],
-      ["values", layoutValues(lay), groupDigits(layoutValues(lay))],
+      ["values", values, groupDigits(values)],
       ["bytes-per-token-per-layer", perLayer, groupDigits(perLayer) + " B"],
       ["bytes-per-token", perToken, formatBytes(perToken)],
       ["bytes-per-sequence", perSeq, formatBytes(perSeq)],
@@ -317,7 +340,9 @@ function drawCache(state) {
   $("gqa-note").textContent = missing.length
     ? `GQA with ${missing.join(", ")} groups is not defined for ${state.w.num_heads} heads (1 < g < heads, g divides heads).`
     : "";
-  const equiv = layoutValues(lays.mla) / (state.w.qk_nope_head_dim + state.w.v_head_dim);
+  // a DSA model caches its indexer key beside the latent: its equivalence counts the mla+indexer row
+  const indexKey = isSparse(state.w) ? state.w.index_head_dim : 0;
+  const equiv = (layoutValues(lays.mla) + indexKey) / (state.w.qk_nope_head_dim + state.w.v_head_dim);
   setValue("gqa-equivalent", equiv, equiv.toFixed(2));
   $("sequence-label").textContent = groupDigits(state.context);
 }
@@ -418,8 +443,8 @@ function fillCustom(w) {
 }
 
 function syncSlider() {
-  const c = Number($("context").value);
-  if (c > 0) $("context-slider").value = Math.log2(c);
+  const c = parseCount($("context").value, ...INPUTS.context_range);
+  if (c !== null) $("context-slider").value = Math.log2(c);
 }
 
 function init() {
@@ -434,11 +459,10 @@ function init() {
   $("context").value = INPUTS.start.context;
   $("counting").value = INPUTS.start.counting;
   msel.value = INPUTS.start.machine;
-  $("context").min = INPUTS.context_range[0];
-  $("context").max = INPUTS.context_range[1];
   $("context-slider").min = Math.log2(INPUTS.context_range[0]);
   $("context-slider").max = Math.log2(INPUTS.context_range[1]);
-  $("gqa-groups").value = Math.max(...INPUTS.gqa_groups);
+  $("gqa-groups").value = INPUTS.gqa_groups.join(",");
+  initCapacity();
   if (INPUTS.bench && INPUTS.bench.dtype) $("dtype").value = INPUTS.bench.dtype;
   $("bench").hidden = !INPUTS.bench;
   loadView();
@@ -461,7 +485,7 @@ function init() {
     $("context").value = Math.round(2 ** Number($("context-slider").value));
     update();
   });
-  for (const id of ["counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new"]) {
+  for (const id of ["counting", "machine", "dtype", "gqa-groups", "bench-batch", "bench-dtype", "dsa-new", ...CAPACITY_INPUTS]) {
     $(id).addEventListener("input", update);
     $(id).addEventListener("change", update);
   }

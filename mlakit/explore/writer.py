@@ -12,6 +12,7 @@ from importlib import resources
 from mlakit.config import PRESETS, MLAConfig
 from mlakit.cost import DEFAULT_COUNTING, DEFAULT_GQA_GROUPS, MACHINES, load_results, validate_results
 from mlakit.cost.cache_size import INDEX_TILE, QUANT_TILE, ROPE_BYTES, SCALE_BYTES, VALUE_BYTES
+from mlakit.cost.capacity import BLOCK_SIZE, PARAMETERS, WEIGHT_BYTES
 
 WIDTHS = (
     "num_heads",
@@ -32,9 +33,12 @@ START = {"model": "deepseek-v3", "context": 4096, "counting": DEFAULT_COUNTING, 
 SCRIPTS = (
     "model.js",
     "sparse.js",
+    "units.js",  # what the inputs read: 32K, 80GB (the CLI's forms)
+    "capacity.js",  # mirrors mlakit.cost.capacity
     "dsa.js",
     "ui.js",
-)  # model.js, sparse.js mirror mlakit.cost; the rest draw
+    "v4.js",
+)  # model.js, sparse.js (and v4.js's arithmetic) mirror mlakit.cost; the rest draw
 BENCH_KEYS = ("schema", "model", "dtype", "machine", "rows")  # what the page reads of a results file
 
 
@@ -83,6 +87,30 @@ def explorer_inputs(bench: dict | None = None) -> dict:
             "index_tile": INDEX_TILE,
         },
         "bench": bench,
+        **capacity_inputs(),
+        **_v4_inputs(),
+    }
+
+
+def capacity_inputs() -> dict:
+    """The capacity panel's inputs: published parameter counts, bytes per weight, the CP block size."""
+    return {
+        "capacity": {
+            "parameters": dict(PARAMETERS),
+            "weight_bytes": dict(WEIGHT_BYTES),
+            "block_size": BLOCK_SIZE,
+        }
+    }
+
+
+def _v4_inputs() -> dict:
+    """The V4 panel's inputs: the V4 presets' widths and its fp8 tile (mlakit.cost.v4)."""
+    from mlakit.cost.v4 import FP8_TILE
+    from mlakit.v4.config import V4_PRESETS, V4Config
+
+    return {
+        "v4_presets": {name: V4Config.preset(name).to_dict() for name in V4_PRESETS},
+        "v4_fp8_tile": FP8_TILE,
     }
 
 

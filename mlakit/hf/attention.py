@@ -17,6 +17,7 @@ from mlakit.attention import MLAAttention, project_unrotated
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode, choose
 from mlakit.hf.families import FAMILIES, supported
+from mlakit.hf.masks import check_mask_shape, key_padding, split_mask  # noqa: F401 (key_padding: API)
 from mlakit.hf.traced import (
     absorb_masked,
     causal_mask,
@@ -81,6 +82,7 @@ class PatchedMLAAttention(nn.Module):
         self.train(original.training)
         # a plain attribute, not a submodule: state_dict and parameters() must not see it twice
         self.__dict__["original"] = original
+        record_weights(self)
 
     @classmethod
     def family_of(cls, original: nn.Module) -> tuple[str, str]:
@@ -94,44 +96,67 @@ class PatchedMLAAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache=None,
         **kwargs,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         self._check_call(position_embeddings, kwargs)
         batch, new, _ = hidden_states.shape
-        if is_traced():
-            # under torch.compile / torch.export: static sizes only (see mlakit.hf.traced)
-            past, (total, context) = None, key_length(cache, self.layer_idx, new)
-            check_mask_shape(attention_mask, batch, new, total)
-        else:
-            past, total = cached_tokens(cache, self.layer_idx, new)
-            key_mask = key_padding(attention_mask, batch, new, past + new, total)
+        past, total, context, key_mask = self._keys(cache, attention_mask, batch, new, kwargs)
         q_nope, q_rot, c_kv, k_rot = self._project(hidden_states, position_embeddings, kwargs)
         if cache is not None:
             c_kv, k_rot = cache.update(c_kv, k_rot, self.layer_idx, kwargs=kwargs)
+        c_kv, k_rot = c_kv[:, 0], k_rot[:, 0]
+        weights = None
         if past is None:
-            c_kv, k_rot = c_kv[:, 0], k_rot[:, 0]
-            run, out = self._attend_traced(q_nope, q_rot, c_kv, k_rot, attention_mask, cache, context)
+            mask = self._full_mask(attention_mask, cache, batch, new, total, q_nope.device)
+            run, out, weights = self._attend_masked(q_nope, q_rot, c_kv, k_rot, mask, context, kwargs)
         else:
             run = choose(self.cfg, new, past) if self.mode == "auto" else self.mode
             kv_lens = torch.full((batch,), past + new, dtype=torch.long)
-            out = self._attend(run, q_nope, q_rot, c_kv[:, 0], k_rot[:, 0], kv_lens, key_mask)
+            out = self._attend(run, q_nope, q_rot, c_kv, k_rot, kv_lens, key_mask)
         self.last_mode = run
-        return self.o_proj(self._gate(hidden_states, out).reshape(batch, new, -1)), None
+        return self.o_proj(self._gate(hidden_states, out).reshape(batch, new, -1)), weights
 
-    def _attend_traced(self, q_nope, q_rot, c_kv, k_rot, mask, cache, context) -> tuple[str, torch.Tensor]:
-        """(path, out [B,S,H,dv]) over every key of the cache view, transformers' mask applied as is;
-        the path comes from the new-token count and the static `context` (see `key_length`)."""
-        batch, new = q_nope.shape[:2]
-        total = c_kv.shape[1]
-        if mask is None:
-            # a StaticCache's count after the write is a 0-dim tensor; a DynamicCache's is the key length
-            written = cache.layers[self.layer_idx].get_seq_length() if cache is not None else total
-            mask = causal_mask(batch, new, total, written, q_nope.device)
+    def _keys(self, cache, mask, batch: int, new: int, kwargs, cached=None):
+        """(past or None, keys T of the cache view, context for the path, key_mask) before anything is
+        written. past None: the masked route (`mlakit.hf.traced`) — under torch.compile/export, for
+        a mask that is not causal + key padding (packed, tree, custom), or when the weights are asked
+        for; else the eager route over row lengths. `cached`: `cached_tokens` / `key_length` twins."""
+        lengths, static_length = cached or (cached_tokens, key_length)
+        if is_traced():
+            total, context = static_length(cache, self.layer_idx, new)
+            check_mask_shape(mask, batch, new, total)
+            return None, total, context, None
+        past, total = lengths(cache, self.layer_idx, new)
+        plain, key_mask = split_mask(mask, batch, new, past + new, total)
+        if plain and not self.wants_weights(kwargs):
+            return past, total, past, key_mask
+        return None, total, past, None
+
+    def wants_weights(self, kwargs) -> bool:
+        """output_attentions asked (call or config) under the eager implementation: transformers' sdpa
+        returns no weights, so neither does a patched sdpa model."""
+        asked = kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False)
+        return bool(asked) and self.config._attn_implementation == "eager"
+
+    def _full_mask(self, mask, cache, batch: int, new: int, total: int, device) -> torch.Tensor:
+        """transformers' 4D mask, or the causal one it stands for when None (read after the write: a
+        StaticCache's count is then a 0-dim tensor, a DynamicCache's the key length)."""
+        if mask is not None:
+            return mask
+        written = cache.layers[self.layer_idx].get_seq_length() if cache is not None else total
+        return causal_mask(batch, new, total, written, device)
+
+    def _attend_masked(self, q_nope, q_rot, c_kv, k_rot, mask, context, kwargs):
+        """(path, out [B,S,H,dv], weights [B,H,S,T] or None) over every key of the cache view,
+        the mask applied as is; the path from the new-token count and `context` (see `key_length`)."""
+        new = q_nope.shape[1]
         run = traced_mode(self.cfg, new, context) if self.mode == "auto" else self.mode
         attend = absorb_masked if run == "absorb" else materialize_masked
         w_uk, w_uv = self.up_weights()
-        return run, attend(q_nope, q_rot, c_kv, k_rot, w_uk, w_uv, self.scaling, mask)
+        need = self.wants_weights(kwargs)
+        got = attend(q_nope, q_rot, c_kv, k_rot, w_uk, w_uv, self.scaling, mask, need_weights=need)
+        return (run, *got) if need else (run, got, None)
 
     def _project(self, hidden_states, position_embeddings, kwargs):
         """q_nope [B,S,H,dn], q_rot [B,S,H,dr] (rotated), c_kv [B,1,S,L], k_rot [B,1,S,dr] (rotated)."""
@@ -219,11 +244,6 @@ class PatchedMLAAttention(nn.Module):
                 f"attention implementation {impl!r} is not supported by mlakit.hf; expected one of "
                 f"{ATTN_IMPLEMENTATIONS} (model.set_attn_implementation('sdpa'))"
             )
-        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
-            raise ValueError(
-                "output_attentions=True is not supported by a patched model (mlakit never forms the "
-                "per-head weights); call mlakit.hf.unpatch(model) first"
-            )
         if self.training and self.config.attention_dropout:
             raise ValueError(
                 f"attention_dropout={self.config.attention_dropout} in training mode is not supported "
@@ -234,6 +254,17 @@ class PatchedMLAAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, mode={self.mode!r}, original={type(self.original).__name__}"
+
+
+def record_weights(module: nn.Module) -> None:
+    """transformers records `output_attentions` with a forward hook on every module of the attention
+    class (`_can_record_outputs["attentions"]`: output 1); a patched layer is not of that class, so it
+    carries the same hook itself (inactive unless a forward asks for the weights)."""
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError:  # a transformers without output capturing records nothing this way
+        return
+    install_output_capuring_hook(module, "attentions", 1)
 
 
 def cached_tokens(cache, layer_idx: int, new: int) -> tuple[int, int]:
@@ -290,55 +321,3 @@ def cache_layer(cache, layer_idx: int) -> tuple[object | None, str | None]:
         f"cache layer {layer_idx} of type {getattr(kind, '__name__', kind)} is not supported by mlakit.hf; "
         "expected DynamicLayer or StaticLayer (no sliding window, quantization or linear attention)"
     )
-
-
-def key_padding(mask, batch: int, new: int, context: int, total: int) -> torch.Tensor | None:
-    """key_mask [B, total] (False: a padding key) from the mask transformers hands the attention.
-
-    The mask must be causal-with-padding: query i (position context-new+i) sees key j iff j <= its
-    position and j is not padding. Anything else (packed sequences, custom masks) raises rather than
-    being served wrongly. Returns None when no key is hidden beyond causality.
-    """
-    if mask is None:
-        return None
-    check_mask_shape(mask, batch, new, total)
-    allowed = mask[:, 0] if mask.dtype == torch.bool else _allowed_from_additive(mask[:, 0])  # [b, S, T]
-    keys = allowed.any(dim=1)  # [b, T]
-    query_pos = context - new + torch.arange(new, device=mask.device)
-    causal = torch.arange(total, device=mask.device)[None, :] <= query_pos[:, None]  # [S, T]
-    if not torch.equal(allowed, causal[None] & keys[:, None]):
-        raise ValueError(
-            "attention_mask is not a causal mask with key padding (packed sequences, bidirectional or "
-            "custom masks are not supported by mlakit.hf)"
-        )
-    keys = keys.expand(batch, total)
-    if bool(keys[:, :context].all()):
-        return None
-    return keys
-
-
-def check_mask_shape(mask, batch: int, new: int, total: int) -> None:
-    """None or a [B or 1, 1, S, T] tensor; anything else raises (shapes only: nothing is read)."""
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        raise ValueError(
-            f"attention_mask reached the attention as {type(mask).__name__} "
-            f"{tuple(getattr(mask, 'shape', ()))}; mlakit.hf expects None or a 4D [B,1,S,T] tensor"
-        )
-    b, heads, q, t = mask.shape
-    if b not in (1, batch) or heads != 1 or q != new or t != total:
-        raise ValueError(
-            f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, 1, {new}, {total})"
-        )
-
-
-def _allowed_from_additive(mask: torch.Tensor) -> torch.Tensor:
-    """An eager mask holds 0 (attend) or the dtype's minimum (hide); any other bias is refused."""
-    allowed = mask == 0
-    hidden = mask <= torch.finfo(mask.dtype).min / 2
-    if not bool((allowed | hidden).all()):
-        raise ValueError(
-            "attention_mask holds additive biases other than 0 and -inf; not supported by mlakit.hf"
-        )
-    return allowed

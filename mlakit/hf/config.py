@@ -39,6 +39,15 @@ _INDEXER_ROPE_INTERLEAVE = {
 }
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+# keys whose absence has a default here; a JSON null reads as absent (as transformers' config classes
+# take None for "use the default"): num_hidden_layers -> 1, max_position_embeddings -> 4096,
+# model_type -> "" (no family: the rope layout and latent eps then follow the generic rules)
+NULL_AS_ABSENT = {"num_hidden_layers": 1, "max_position_embeddings": 4096, "model_type": ""}
+# transformers' defaults (5.24) for a DSA config that leaves them out: every DSA config class
+# defaults index_topk to 2048 (and runs sparse), and the configs whose latent norms read
+# rms_norm_eps default it to 1e-5
+TRANSFORMERS_INDEX_TOPK = 2048
+TRANSFORMERS_RMS_NORM_EPS = 1e-5
 
 
 def load_config_dict(source: Any) -> dict[str, Any]:
@@ -113,7 +122,9 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    """MLAConfig keyword arguments from a transformers config dict (a multimodal one: its text_config)."""
+    """MLAConfig keyword arguments from a transformers config dict (a multimodal one: its text_config).
+    A JSON null reads as an absent key wherever a default exists (`NULL_AS_ABSENT`, rope_scaling,
+    rope_parameters, attention_bias, rms_norm_eps, index_topk); the widths `_REQUIRED` are required."""
     if "kv_lora_rank" not in d and isinstance(d.get("text_config"), dict):
         d = d["text_config"]
     missing = [k for k in _REQUIRED if d.get(k) is None]
@@ -156,7 +167,7 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         rope_scaling=scaling,
         rope_interleave=checks.boolean("rope_interleave", interleave),
         # most families build the two latent norms with eps 1e-6 whatever rms_norm_eps says
-        rms_norm_eps=d["rms_norm_eps"] if model_type in _LATENT_EPS_FROM_CONFIG else 1e-6,
+        rms_norm_eps=_latent_eps(d, model_type),
         attention_bias=False if bias is None else checks.boolean("attention_bias", bias),
         max_position_embeddings=4096 if max_pos is None else max_pos,
         name=checks.text("_name_or_path", name),
@@ -164,9 +175,21 @@ def config_dict_to_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _latent_eps(d: dict[str, Any], model_type: str) -> float:
+    """The eps of the two latent norms: most families build them with 1e-6 whatever rms_norm_eps says;
+    the others read rms_norm_eps (transformers' default 1e-5 when the config leaves it out)."""
+    if model_type not in _LATENT_EPS_FROM_CONFIG:
+        return 1e-6
+    eps = d.get("rms_norm_eps")
+    return TRANSFORMERS_RMS_NORM_EPS if eps is None else eps
+
+
 def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises."""
-    if d.get("index_topk") is None:
+    """The DSA fields of a config dict ({} for dense MLA); an unknown indexer rope layout raises. A config
+    with indexer widths (index_n_heads, index_head_dim) but no index_topk is DSA with transformers'
+    default index_topk (2048), as transformers loads it: never silently dense."""
+    has_indexer = d.get("index_n_heads") is not None or d.get("index_head_dim") is not None
+    if d.get("index_topk") is None and not has_indexer:
         return {}
     model_type = d.get("model_type", "")
     interleave = d.get("indexer_rope_interleave", _INDEXER_ROPE_INTERLEAVE.get(model_type))
@@ -178,7 +201,7 @@ def indexer_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     return dict(
         index_n_heads=d.get("index_n_heads"),
         index_head_dim=d.get("index_head_dim"),
-        index_topk=d["index_topk"],
+        index_topk=TRANSFORMERS_INDEX_TOPK if d.get("index_topk") is None else d["index_topk"],
         indexer_rope_interleave=checks.boolean("indexer_rope_interleave", interleave),
     )
 

@@ -188,6 +188,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# attentions mlakit serves that are not MLA (one shared K = V head, no latent), kept out of FAMILIES
+# (whose every entry is an MLA latent attention): DeepSeek-V4's compressed attention, mlakit.hf.v4
+V4_FAMILIES: dict[str, Family] = {
+    "DeepseekV4Attention": _f(
+        "deepseek_v4",
+        "DeepseekV4Config",
+        "interleave",
+        "DeepseekV4ForCausalLM",
+        "DeepseekV4Model",
+        differences="not MLA: shared K = V MQA with a 128-token window, compressed entries (CSA: 1 per 4 "
+        "tokens, top-k by an indexer; HCA: 1 per 128, dense), sinks; served by mlakit.hf.v4 (mlakit.v4)",
+        refused=None,  # served by mlakit.hf.v4, not by PatchedMLAAttention
+    ),
+}
+
+
 def family(class_name: str) -> Family | None:
     return FAMILIES.get(class_name)
 

@@ -15,11 +15,17 @@ from torch import nn
 from mlakit.dispatch import check_mode
 from mlakit.hf.attention import PatchedMLAAttention, is_supported_attention
 from mlakit.hf.dsa import PatchedDSAAttention, is_dsa_attention
-from mlakit.hf.families import FAMILIES, refused, supported, supported_models
+from mlakit.hf.families import FAMILIES, V4_FAMILIES, refused, supported, supported_models
+from mlakit.hf.v4 import PatchedV4Attention, is_v4_attention
 
-SUPPORTED = supported()
+# what patch() puts in place of an attention: MLA (and DSA, a subclass) or DeepSeek-V4
+_PATCHED = (PatchedMLAAttention, PatchedV4Attention)
+
+SUPPORTED = supported() + tuple(V4_FAMILIES)
 REFUSED = refused()
-SUPPORTED_MODELS = supported_models()
+SUPPORTED_MODELS = tuple(
+    sorted(supported_models() + tuple(m for f in V4_FAMILIES.values() for m in f.models))
+)
 UNKNOWN_REASON = "an MLA attention (kv_a_proj_with_mqa) not in mlakit's family table"
 
 __all__ = ["REFUSED", "SUPPORTED", "SUPPORTED_MODELS", "is_patched", "patch", "unpatch"]
@@ -35,6 +41,8 @@ def patch(model: nn.Module, *, mode: str = "auto", strict: bool = True) -> nn.Mo
     layers with a warning that lists them. Returns `model`.
     """
     check_mode(mode)
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     sites, skipped = _attention_sites(model)
@@ -52,8 +60,10 @@ def patch(model: nn.Module, *, mode: str = "auto", strict: bool = True) -> nn.Mo
     # build every replacement first, so that a failure leaves the model untouched
     replacements = []
     for parent, name, child in sites:
-        if isinstance(child, PatchedMLAAttention):
+        if isinstance(child, _PATCHED):
             child.mode = mode
+        elif is_v4_attention(child):
+            replacements.append((parent, name, PatchedV4Attention(child, mode)))
         else:
             cls = PatchedDSAAttention if is_dsa_attention(child) else PatchedMLAAttention
             replacements.append((parent, name, cls(child, mode)))
@@ -71,7 +81,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     go back with it: the original receives the patched layer's current children.
     """
     for parent, name, child in _attention_sites(model)[0]:
-        if isinstance(child, PatchedMLAAttention):
+        if isinstance(child, PatchedV4Attention):
+            setattr(parent, name, child.original)
+        elif isinstance(child, PatchedMLAAttention):
             original = child.original
             for sub_name, sub in child.named_children():
                 setattr(original, sub_name, sub)
@@ -82,12 +94,12 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     """True when at least one attention of `model` runs mlakit."""
-    return any(isinstance(m, PatchedMLAAttention) for m in model.modules())
+    return any(isinstance(m, _PATCHED) for m in model.modules())
 
 
 def refusal_reason(module: nn.Module) -> str | None:
     """Why `module` is an MLA attention mlakit will not patch; None when it is not MLA or is supported."""
-    if isinstance(module, PatchedMLAAttention) or is_supported_attention(module):
+    if isinstance(module, _PATCHED) or is_supported_attention(module) or is_v4_attention(module):
         return None
     entry = FAMILIES.get(type(module).__name__)
     if entry is not None and type(module).__module__ == entry.modeling_module:
@@ -104,9 +116,10 @@ def _attention_sites(model: nn.Module):
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
             if (
-                isinstance(child, PatchedMLAAttention)
+                isinstance(child, _PATCHED)
                 or is_supported_attention(child)
                 or is_dsa_attention(child)
+                or is_v4_attention(child)
             ):
                 sites.append((parent, name, child))
             elif (reason := refusal_reason(child)) is not None:

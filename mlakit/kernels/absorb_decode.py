@@ -246,6 +246,11 @@ def absorb_decode(
       a row's blocks may hold anything (BLOCK_SENTINEL) — they are never read;
     - kv_lens [B] on the pages' device, <= NB · block_size: keys of each row, the S tokens included.
 
+    Trusted, not checked (checking would read device memory: a sync in every layer): the table's
+    entries below each row's length are pages of the pool (a negative, sentinel or out-of-range id
+    masks its keys silently) and kv_lens fits the table (past it, a row reads NaN with lse -inf).
+    `absorb_paged` checks both where they are host facts, and with `check=True` anywhere.
+
     Launch shapes come from static facts only (no device read): `num_splits` (default: from the
     block-table width, B, the row tiles and the SM count) and `config` (default: `configs.pick_config`).
     `interpret` (default: on CPU tensors) runs Triton's interpreter, tiles in fp32.

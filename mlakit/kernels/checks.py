@@ -50,3 +50,27 @@ def check_inputs(
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
     return u8
+
+
+def check_table(block_table: torch.Tensor, kv_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """What the kernel trusts, checked on the host (reading device tensors back: a sync): every row's
+    length fits its table (0..NB·block_size) and every page holding one of its keys is a block of the
+    pool (not negative, not the sentinel, < num_blocks). ValueError naming the argument."""
+    table = block_table.detach().to("cpu", torch.long)
+    lens = kv_lens.detach().to("cpu", torch.long)
+    width = table.shape[1]
+    cap = width * block_size
+    bad = ((lens < 0) | (lens > cap)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"kv_lens {lens[bad].tolist()} of rows {bad} outside 0..{cap} (the block table holds {width} "
+            f"pages of {block_size} tokens per row)"
+        )
+    used = torch.arange(width)[None, :] < (-(-lens // block_size))[:, None]  # [B, NB]
+    wrong = (used & ((table < 0) | (table >= num_blocks))).nonzero().tolist()
+    if wrong:
+        pages = [int(table[r, c]) for r, c in wrong[:4]]
+        raise ValueError(
+            f"block_table names pages {pages} at (row, block) {wrong[:4]} below kv_lens, outside "
+            f"0..{num_blocks - 1} (a sentinel or corrupt entry: those keys would be skipped silently)"
+        )

@@ -14,6 +14,7 @@ import torch
 from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.quant import TokenLayout
 from mlakit.kernels.absorb_decode import absorb_decode
+from mlakit.kernels.checks import check_table
 from mlakit.kernels.configs import KernelConfig
 from mlakit.ops.absorb import fold_queries, unfold_values
 
@@ -35,14 +36,31 @@ def absorb_paged(
     num_splits: int | None = None,
     config: KernelConfig | None = None,
     interpret: bool | None = None,
+    check: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`absorb` (see `mlakit.ops`) over paged rows: (out [B,S,H,dv] in q_nope's dtype, lse [B,S,H] fp32).
 
     `cache_or_pages`: a `PagedLatentCache` (the pages of its layer `layer`, its layout) or one layer's
     uint8 pages with `layout`. `block_table` [B, NB] and `kv_lens` [B] as `absorb_decode` takes them;
     on another device than the pages they are copied there (pass device tensors inside a captured graph).
+
+    The kernel trusts the table and the lengths (a bad page id or a length past the table is skipped
+    or reads NaN without a word), so they are checked (`kernels.checks.check_table`) where they are
+    host facts: when both are CPU tensors (a ValueError before anything runs), or always with
+    `check=True` (device tensors are read back: a sync, not for a captured graph). A step plan of a
+    `PagedLatentCache` builds them on the host from its block manager: in range by construction.
     """
     pages, layout = _pages(cache_or_pages, layout, layer)
+    if check or (block_table.device.type == "cpu" and kv_lens.device.type == "cpu"):
+        for name, t in (("block_table", block_table), ("kv_lens", kv_lens)):
+            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t))}")
+        if block_table.dim() != 2 or kv_lens.dim() != 1 or kv_lens.shape[0] != block_table.shape[0]:
+            raise ValueError(
+                f"block_table [B, NB] and kv_lens [B] disagree: {tuple(block_table.shape)} and "
+                f"{tuple(kv_lens.shape)}"
+            )
+        check_table(block_table, kv_lens, pages.shape[0], pages.shape[1])
     device = pages.device
     q_lat = fold_queries(q_nope.to(w_uk.dtype), w_uk)  # [B, S, H, L]
     o_lat, lse = absorb_decode(

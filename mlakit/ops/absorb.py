@@ -4,6 +4,10 @@ Every head scores against the same [c_kv | k_pe] rows (an MQA over the cache): n
 value is ever built, so memory beyond the cache grows with heads × new tokens only. The cache is
 read block by block: each block is converted once to the compute dtype and used for both the
 scores and the weighted sum while it is still in cache, with an online softmax across blocks.
+
+Two cores compute the latent attention: the fused CPU core (`mlakit.ops.cpu_core`: bf16 products,
+fp32 scores, the cache read in place) where it can run, and the torch core (`latent_attention`) in
+`core_dtype` (fp32 for a 16-bit cache on a CPU) everywhere; `core=` picks ("auto", "fused", "torch").
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from mlakit.ops.common import (
     acc_dtype,
     compute_dtype,
     context_mask,
+    core_dtype,
     query_chunk,
     softmax_lse,
 )
+from mlakit.ops.cpu_core import check_core, few_rows_fit, fold_heads, fused_latent, unfold_heads, use_fused
 
 # cached tokens per block of the online softmax (1024 × 512 fp32 latents = 2 MB)
 KEY_BLOCK = 1024
@@ -34,9 +40,12 @@ def absorb(
     *,
     key_mask: torch.Tensor | None = None,
     max_keys: int | None = None,
+    core: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mlakit.ops`. `max_keys` (a plan's bucket): attend over exactly that many keys, masked past
-    kv_lens, without reading kv_lens back to the host."""
+    kv_lens, without reading kv_lens back to the host. `core`: "auto" (the fused CPU core where it can
+    run), "fused" (that core or a ValueError saying why not), "torch"."""
+    check_core(core)
     batch, new, heads, _ = q_nope.shape
     static = max_keys is not None
     keys = max_keys if static else int(kv_lens.max())
@@ -45,6 +54,9 @@ def absorb(
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_pe = q_pe.to(cd)
+    if use_fused(core, q_lat, c_kv, k_pe, key_mask):
+        o_lat, lse = fused_latent(q_lat, q_pe, c_kv, k_pe, kv_lens, scale)
+        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
     outs, lses = [], []
     step = query_chunk(heads * batch, min(keys, KEY_BLOCK), new)
     for start in range(0, new, step):
@@ -62,6 +74,9 @@ def absorb(
 def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [B,S,H,dn] · W_UK[h] → [B,S,H,L]: one bmm over heads."""
     batch, new, heads, dn = q_nope.shape
+    if w_uk.shape[-1] % 16 == 0 and few_rows_fit(q_nope, w_uk, batch * new):
+        # a bf16 bmm over the strided per-head view of kv_b_proj copies the weight first
+        return fold_heads(q_nope.reshape(batch * new, heads, dn), w_uk).view(batch, new, heads, -1)
     q = q_nope.reshape(batch * new, heads, dn).transpose(0, 1)  # [H, B·S, dn]
     q_lat = torch.bmm(q, w_uk)  # [H, B·S, L]
     return q_lat.transpose(0, 1).reshape(batch, new, heads, -1)
@@ -70,6 +85,8 @@ def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def unfold_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [B,S,H,L] · W_UV[h]ᵀ → [B,S,H,dv]."""
     batch, new, heads, latent = o_lat.shape
+    if few_rows_fit(o_lat, w_uv, batch * new, limit=8):
+        return unfold_heads(o_lat.reshape(batch * new, heads, latent), w_uv).view(batch, new, heads, -1)
     o = o_lat.reshape(batch * new, heads, latent).transpose(0, 1)  # [H, B·S, L]
     out = torch.bmm(o, w_uv.transpose(1, 2))  # [H, B·S, dv]
     return out.transpose(0, 1).reshape(batch, new, heads, -1)
@@ -89,6 +106,7 @@ def latent_attention(
 
     `mask` [B,s,T] is True where a key is hidden. Returns the latent-space output [B,s,H,L] in fp32
     and lse [B,s,H] (fp32). `static`: mask hidden keys' values without checking whether any is hidden.
+    The torch core: matmuls in `core_dtype` (fp32 scores from a 16-bit cache on a CPU).
     """
     batch, new, heads, latent = q_lat.shape
     if c_kv.shape[1] == 0:
@@ -96,7 +114,7 @@ def latent_attention(
         acc = acc_dtype(q_lat.dtype)
         lse = torch.full((batch, new, heads), float("-inf"), dtype=acc, device=q_lat.device)
         return torch.zeros(batch, new, heads, latent, dtype=acc, device=q_lat.device), lse
-    cd = compute_dtype(c_kv.dtype, c_kv.device)
+    cd = core_dtype(c_kv.dtype, c_kv.device)
     q_l = q_lat.reshape(batch, new * heads, latent).to(cd)
     q_r = q_pe.reshape(batch, new * heads, -1).to(cd)
     if mask is not None:

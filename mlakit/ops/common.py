@@ -8,9 +8,19 @@ import torch
 SCORE_BUDGET = 1 << 26
 
 
+def _native_bf16() -> bool:
+    """Native bf16 dot products: AVX512-BF16 or AMX-BF16 on x86 (oneDNN's own probe also says yes for
+    AVX-512 without them, where bf16 is emulated), oneDNN's probe elsewhere (Arm BF16)."""
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # torch >= 2.3
+    caps = probe() if probe is not None else {}
+    if caps.get("architecture") == "x86_64":
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 # whether this CPU has native 16-bit GEMMs, asked once at import (a constant to torch.compile)
 _CPU_FAST = {
-    torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    torch.bfloat16: _native_bf16(),
     torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
 }
 
@@ -43,12 +53,26 @@ def zero_past_lengths(
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype matmuls run in: the storage dtype, or fp32 on a CPU without native 16-bit GEMMs.
+    """The dtype projections and query/value folds run in: the storage dtype, or fp32 on a CPU without
+    native 16-bit GEMMs.
 
     Without AVX512-BF16/AMX, torch's bf16 GEMM on CPU runs a slow generic kernel (under 1 GFLOP/s
     measured on a 2-core AVX2 EPYC); converting a block to fp32 and using the fp32 GEMM is far faster.
     """
     if torch.device(device).type == "cpu" and not _cpu_has_fast(dtype):
+        return torch.float32
+    return dtype
+
+
+def core_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype the torch attention core (scores, weighted sum) multiplies in: fp32 for a 16-bit
+    cache on a CPU, the storage dtype elsewhere.
+
+    torch's 16-bit CPU GEMMs return 16-bit results: scores rounded to 2^-9 of their size before the
+    softmax (an lse off by ~1e-3 at DeepSeek-V3 widths). The fused core (`mlakit.ops.cpu_core`) keeps
+    bf16 products with fp32 scores; the torch path does the same in fp32.
+    """
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
 

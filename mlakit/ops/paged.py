@@ -3,6 +3,10 @@
 Same result as `absorb` over the gathered context, without gathering it: each chunk of
 `chunk_tokens` keys is read (and dequantized) into a small buffer, attended by every query, and
 merged into a running (latent output, lse) pair in fp32. Extra memory: one chunk, whatever the context.
+
+Where the fused CPU core runs (`mlakit.ops.cpu_core`) and `pages` are given, the pages are read in
+place instead: one call over the rows of every key, no chunk gathered; quantized pages are still read
+(dequantized) chunk by chunk and each chunk goes through the fused core.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
 from mlakit.ops.common import acc_dtype, compute_dtype, context_mask, query_chunk
+from mlakit.ops.cpu_core import check_core, fused_latent, use_fused
 from mlakit.ops.merge import merge
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -32,11 +37,16 @@ def absorb_chunked(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     max_keys: int | None = None,
+    pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    core: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges. `max_keys` (a
-    plan's bucket): read exactly that many keys, masked past kv_lens, no host read."""
+    plan's bucket): read exactly that many keys, masked past kv_lens, no host read. `pages`: (c_kv
+    rows [N, L], k_pe rows [N, dr], rows [B, >= keys] long) of an unquantized pool, for the fused core
+    to read in place. `core`: as `absorb`'s."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    check_core(core)
     static = max_keys is not None
     keys = max_keys if static else int(kv_lens.max())
     if keys <= 0:
@@ -45,11 +55,17 @@ def absorb_chunked(
     cd = compute_dtype(q_nope.dtype, q_nope.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_pe = q_pe.to(cd)
+    if pages is not None and use_fused(core, q_lat, pages[0], pages[1]):
+        o_lat, lse = fused_latent(q_lat, q_pe, pages[0], pages[1], kv_lens, scale, rows=pages[2][:, :keys])
+        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
     o_lat, lse = None, None
     for start in range(0, keys, chunk_tokens):
         stop = min(keys, start + chunk_tokens)
         c_kv, k_pe = read(start, stop)
-        part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale, static)
+        if use_fused(core, q_lat, c_kv, k_pe):
+            part = fused_latent(q_lat, q_pe, c_kv, k_pe, kv_lens, scale, key_start=start)
+        else:
+            part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale, static)
         o_lat, lse = part if o_lat is None else merge([o_lat, part[0]], [lse, part[1]])
     return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
 
@@ -70,3 +86,15 @@ def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=Fals
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def page_rows(
+    cache, layer: int, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`pages` for `absorb_chunked`: (c_kv rows, k_pe rows) typed views of one layer's pool of an
+    unquantized PagedLatentCache, and `rows`; None for quantized pages (read chunk by chunk instead)."""
+    fields = getattr(cache, "_fields", None)
+    if cache.layout.quant is not None or fields is None:
+        return None
+    latent, rope = fields(layer)
+    return latent, rope, rows

@@ -2,7 +2,8 @@
 
 - `index_scores`: I[t,s] = (H_I·d_I)^-½ Σ_j w[t,j]·ReLU(q_I[t,j]·k_I[s]) over each query's visible
   keys (-inf elsewhere), fp32, read key block by key block;
-- `select_topk`: the k highest per query, deterministic under ties (docs/sparse.md);
+- `select_topk`: the k highest per query, deterministic under ties, NaN first (docs/sparse.md);
+- `index_topk`: both, a block of queries at a time (memory bounded by the score budget);
 - `sparse_absorb`: MLA's absorbed attention over the gathered selected latents (576 wide for V3,
   shared by every head; never expanded per head), with the ops' signature plus `indices`;
 - `sparse_materialize`: the dense masked form (every visible latent expanded, unselected keys hidden),
@@ -25,6 +26,10 @@ from mlakit.ops.merge import merge
 
 # cached indexer keys scored per block (4096 × 128 fp32 = 2 MB)
 INDEX_KEY_BLOCK = 4096
+# score budgets one query block of `index_topk` may take at its peak, measured (tests/test_sparse_ops.py):
+# the fp32 scores, their hidden mask, index_scores' dot products and the selection's masks, int32 running
+# count and fp32 ranks held ~11x the block's scores; blocks of budget / 8 keep the whole peak ~1.5 budgets
+TOPK_WORKING_SET = 8
 # gathered latent values per chunk of queries (64 MB in fp32)
 GATHER_BUDGET = 1 << 24
 
@@ -81,25 +86,71 @@ def _hidden_keys(kv_lens, new: int, keys: int, device, key_mask=None) -> torch.T
     return hidden
 
 
+def index_topk(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    k_idx: torch.Tensor,
+    kv_lens: torch.Tensor,
+    k: int,
+    *,
+    key_mask: torch.Tensor | None = None,
+    max_keys: int | None = None,
+) -> torch.Tensor:
+    """`select_topk(index_scores(...), k)` a block of queries at a time: the scores of one block stay
+    within the attention's SCORE_BUDGET elements, so memory is bounded by the budget, not by S × T (a
+    128K-token prefill would otherwise hold a [S, T] fp32 matrix: 64 GB). Same indices [B,S,min(k,T)]."""
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k (index_topk) must be a positive integer, got {k!r}")
+    batch, new = q_idx.shape[:2]
+    keys = int(kv_lens.max()) if max_keys is None else max_keys
+    # a block holds its fp32 scores and the selection's working set beside them (TOPK_WORKING_SET)
+    step = query_chunk(batch * TOPK_WORKING_SET, keys, new)
+    if step >= new:
+        scores = index_scores(q_idx, weights, k_idx, kv_lens, key_mask=key_mask, max_keys=keys)
+        return _select_topk(scores, k)
+    out = torch.empty(batch, new, min(k, keys), dtype=torch.long, device=q_idx.device)
+    for s0 in range(0, new, step):
+        s1 = min(new, s0 + step)
+        # the block's queries are the last of a context (new - s1) tokens shorter
+        lens = kv_lens - (new - s1)
+        scores = index_scores(
+            q_idx[:, s0:s1], weights[:, s0:s1], k_idx, lens, key_mask=key_mask, max_keys=keys
+        )
+        out[:, s0:s1] = _select_topk(scores, k)
+        del scores
+    return out
+
+
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [B,S,T] → indices [B,S,min(k,T)] (long, ascending; a hidden position picked to fill k reads -1).
 
     Tie rule: the keys above the k-th highest score are all kept, and of the keys equal to it the
     lowest positions fill the remaining places. So the selected set is a function of the scores alone.
+    A NaN score ranks above every number (+inf): a key poisoned by a NaN is selected, so the NaN reaches
+    the attention output, as it does in dense MLA (docs/sparse.md).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k (index_topk) must be a positive integer, got {k!r}")
-    keys = scores.shape[-1]
+    return _select_topk(scores.clone(), k)
+
+
+def _select_topk(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """`select_topk` on scores it may overwrite: beside them it holds about 7 bytes per score at once
+    (two bool masks, an int32 running count) and then one more score-sized fp32 array."""
+    keys = ranked.shape[-1]
     k = min(k, keys)
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [B, S, 1]
-    above = scores > kth
-    tie = scores == kth
+    ranked = ranked.nan_to_num_(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # -inf kept
+    kth = ranked.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [B, S, 1]
+    above = ranked > kth
     need = k - above.sum(dim=-1, keepdim=True)
-    keep = above | (tie & (tie.cumsum(dim=-1) <= need))  # exactly k per query
+    tie = ranked == kth
+    keep = tie.cumsum(dim=-1, dtype=torch.int32) <= need
+    keep = keep.logical_and_(tie).logical_or_(above)  # exactly k per query
+    del tie, above
     # the kept positions, ascending: the k largest of keys - position (distinct, exact in fp32)
-    rank = torch.arange(keys, 0, -1, device=scores.device, dtype=torch.float32)
+    rank = torch.arange(keys, 0, -1, device=ranked.device, dtype=torch.float32)
     idx = torch.where(keep, rank, 0).topk(k, dim=-1).indices  # no host read, no data-dependent shape
-    return idx.masked_fill(torch.isneginf(scores.gather(-1, idx)), -1)
+    return idx.masked_fill(torch.isneginf(ranked.gather(-1, idx)), -1)
 
 
 def selection_hidden(
@@ -225,21 +276,29 @@ def sparse_materialize(
     batch, new = q_nope.shape[:2]
     keys = int(kv_lens.max()) if max_keys is None else max_keys
     hidden = selection_hidden(indices, kv_lens, new, key_mask)
-    selected = torch.zeros(batch, new, keys + 1, dtype=torch.bool, device=indices.device)
-    rows = torch.where(hidden | (indices >= keys), keys, indices)  # ignored entries land in a spare column
-    selected.scatter_(-1, rows, True)
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
     out = lse = None
     for k0 in range(0, keys, workspace_tokens):
         k1 = min(keys, k0 + workspace_tokens)
-        seen = selected[:, :, k0:k1]  # [B, S, t]
+        seen = _selected_block(indices, hidden, k0, k1)  # [B, S, t]: never the whole [B, S, T]
         unseen = ~seen.any(dim=1)[..., None]  # [B, t, 1]: NaN-safe, as in absorb
         c, kp = (x[:, k0:k1].to(cd).masked_fill(unseen, 0) for x in (c_kv, k_pe))
         k, v = expand(c, kp, w_uk.to(cd), w_uv.to(cd))  # [B, H, t, dn+dr], [B, H, t, dv]
         part, part_lse = _masked_attention(q, k, v, ~seen, scale)
         out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
     return out.to(q_nope.dtype), lse
+
+
+def _selected_block(indices: torch.Tensor, hidden: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Bool [B, S, k1 - k0]: which keys k0..k1-1 each query selected (ignored entries land in a spare
+    column, dropped)."""
+    batch, new, _ = indices.shape
+    width = k1 - k0
+    out = torch.zeros(batch, new, width + 1, dtype=torch.bool, device=indices.device)
+    inside = ~hidden & (indices >= k0) & (indices < k1)
+    out.scatter_(-1, torch.where(inside, indices - k0, width), True)
+    return out[..., :width]
 
 
 def _masked_attention(q, k, v, hidden, scale):

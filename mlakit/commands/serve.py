@@ -1,0 +1,102 @@
+"""mlakit serve: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the generation engine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from mlakit.commands.args import count_type
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
+    p.add_argument(
+        "--model", default="demo", help="demo (built-in random DeepSeek-V3-shaped model) or a FOLDER"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=count_type("port", 0, 65535), default=8000)
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default: --model as given)"
+    )
+    p.add_argument("--cache-dtype", choices=("fp8", "int8"), default=None, help="quantized latent pages")
+    p.add_argument("--max-num-seqs", type=count_type("max-num-seqs", 1, 1 << 16), default=None)
+    p.add_argument(
+        "--max-num-batched-tokens", type=count_type("max-num-batched-tokens", 1, 1 << 24), default=None
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLAKIT_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 (default: $MLAKIT_API_KEY, else none)",
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="weights and compute dtype")
+    p.add_argument("--cache-memory", default=None, help="bytes or e.g. 2GiB for the latent pages")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=count_type("max-waiting-requests", 0, 1 << 20),
+        default=1024,
+        help="past this many requests waiting for a batch slot, new ones get 503 (Retry-After: 1)",
+    )
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def engine_kwargs(args) -> dict:
+    """The engine keywords the flags set; unset flags leave the engine's defaults."""
+    kw = {"enable_prefix_caching": not args.no_prefix_caching}
+    for flag in ("cache_dtype", "max_num_seqs", "max_num_batched_tokens", "dtype", "cache_memory"):
+        value = getattr(args, flag)
+        if value is not None:
+            kw[flag] = value
+    return kw
+
+
+def run(args) -> int:
+    _check_extra()
+    _check_port(args.host, args.port)
+    import uvicorn
+
+    from mlakit.engine import LLMEngine
+    from mlakit.serve.adapter import EngineAdapter
+    from mlakit.serve.app import build_app
+
+    engine = LLMEngine(args.model, **engine_kwargs(args))
+    name = args.served_model_name or args.model
+    app = build_app(EngineAdapter(engine), name, api_key=args.api_key, max_waiting=args.max_waiting_requests)
+    print(
+        f"mlakit serve: {name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    loop = "uvloop" if _has("uvloop") else "asyncio"
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", loop=loop, timeout_graceful_shutdown=5
+    )
+    return 0
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _check_extra() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _has(m)]
+    if missing:
+        raise ValueError(f"serve needs {', '.join(missing)}: pip install 'mlakit[serve]'")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port that is taken before the model is built (minutes on a big model)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r}: {err.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as err:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({err.strerror})") from None

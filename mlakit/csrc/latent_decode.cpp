@@ -1,0 +1,546 @@
+// Absorbed MLA decode core for CPUs with AVX512-BF16: bf16 products, fp32 scores, softmax and sums.
+//
+// One call attends every query row (S new tokens x H heads) of each sequence against that
+// sequence's cached [c_kv | k_pe] rows, read in place (a strided tensor, or a pool of rows and a
+// [B, T] table of row ids: the pages of a paged cache). All heads share the key rows (MLA is an
+// MQA), so each block of keys is read once for all of them:
+//   scores^T [t, r] = K[t, :] . Q[r, :]   queries packed once in pairs (VNNI), keys broadcast in place
+//   online softmax over t in fp32 (running max, denominators), probabilities rounded to bf16
+//   O^T [l, r]    += V[t, l] P[t, r]      two key rows interleaved per pair, accumulators in fp32
+// The key range of a sequence is cut into `splits` parts (parallel work at small batch), each part
+// returns (O, lse) and the parts are merged by log-sum-exp. Two parallel regions per call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int KB = 128;  // keys per block of the online softmax (a multiple of the 8-key tile)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline __m512 exp512(__m512 x) {
+  // exp to ~2 ulp: 2^n * p(r), r = x - n ln2; exactly 0 below -87 (and for -inf)
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+
+inline __m512 dp(__m512 acc, uint32_t pair, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)b);
+}
+
+// scores^T of 8 keys x NV*16 query rows over kpn pairs of one part of the row (latent, then rope):
+// `first` starts from zero, else from st; `scale` (when not 1) multiplies the sums at the end. The
+// parts run as two calls so that only 8 row pointers are live (16 spill the accumulators)
+template <int NV>
+inline void score_part(const uint32_t* const* rows, int kpn, const uint32_t* qp, int64_t ldq, float* st,
+                       int64_t lds, bool first, float scale) {
+  const uint32_t* k[8];
+  for (int m = 0; m < 8; ++m) k[m] = rows[m];
+  __m512 acc[8][NV];
+  for (int m = 0; m < 8; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(st + m * lds + 16 * v);
+  for (int kp = 0; kp < kpn; ++kp) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(qp + kp * ldq + 16 * v);
+    for (int m = 0; m < 8; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], k[m][kp], b[v]);
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int m = 0; m < 8; ++m)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(st + m * lds + 16 * v, scale == 1.0f ? acc[m][v] : _mm512_mul_ps(acc[m][v], s));
+}
+
+template <int NV>
+inline void score_tile(const uint32_t* const* kc, const uint32_t* const* kr, int kpl, int kpr,
+                       const uint32_t* qp, int64_t ldq, float* st, int64_t lds, float scale) {
+  score_part<NV>(kc, kpl, qp, ldq, st, lds, true, 1.0f);
+  score_part<NV>(kr, kpr, qp + kpl * ldq, ldq, st, lds, false, scale);
+}
+
+// O^T of 8 latent columns x NV*16 query rows: rescaled by alpha, plus the block's pairs of keys
+template <int NV>
+inline void pv_tile(const uint32_t* vp, int64_t ldv, int tp_count, const uint32_t* pt, int64_t ldp,
+                    float* ot, int64_t ldo, const float* alpha) {
+  __m512 acc[8][NV];
+  __m512 a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = _mm512_loadu_ps(alpha + 16 * v);
+  for (int m = 0; m < 8; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + m * ldo + 16 * v), a[v]);
+  for (int tp = 0; tp < tp_count; ++tp) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(pt + tp * ldp + 16 * v);
+    const uint32_t* row = vp + tp * ldv;
+    for (int m = 0; m < 8; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], row[m], b[v]);
+  }
+  for (int m = 0; m < 8; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ot + m * ldo + 16 * v, acc[m][v]);
+}
+
+struct Problem {
+  const uint16_t* ckv;  // c_kv rows (bf16 bits), row r of sequence b: see row()
+  const uint16_t* kpe;
+  int64_t ckv_b, ckv_t, kpe_b, kpe_t;  // strides in elements (batch, token); rows==nullptr
+  const int64_t* rows;                 // [B, T] row ids into a pool, or nullptr
+  int64_t rows_b;                      // stride of rows over the batch
+  int64_t T;                           // keys addressable per sequence
+  const int64_t* kv_lens;
+  int64_t key_start;  // absolute position of key 0 of this call
+  int S, H, L, R, NR, NRp, KP;
+  float scale;
+  const uint32_t* qpack;  // [B][KP][NRp] pairs
+};
+
+inline int64_t row_of(const Problem& p, int64_t b, int64_t t) {
+  return p.rows ? p.rows[b * p.rows_b + t] : -1;
+}
+
+inline const uint16_t* ckv_row(const Problem& p, int64_t b, int64_t t) {
+  const int64_t r = row_of(p, b, t);
+  return r >= 0 ? p.ckv + r * p.ckv_t : p.ckv + b * p.ckv_b + t * p.ckv_t;
+}
+
+inline const uint16_t* kpe_row(const Problem& p, int64_t b, int64_t t) {
+  const int64_t r = row_of(p, b, t);
+  return r >= 0 ? p.kpe + r * p.kpe_t : p.kpe + b * p.kpe_b + t * p.kpe_t;
+}
+
+// the keys (relative to this call) row r of sequence b may see: [0, limit)
+inline int64_t limit_of(const Problem& p, int64_t b, int r) {
+  const int s = r / p.H;
+  const int64_t lim = p.kv_lens[b] - p.S + s + 1 - p.key_start;
+  return std::max<int64_t>(0, std::min<int64_t>(lim, p.T));
+}
+
+struct Scratch {
+  std::vector<float> st, ot, m, d, dr, alpha;
+  std::vector<uint32_t> pt, vp;
+  std::vector<int64_t> lim;
+  void fit(const Problem& p) {
+    st.resize((size_t)KB * p.NRp);
+    pt.resize((size_t)(KB / 2) * p.NRp);
+    vp.resize((size_t)(KB / 2) * p.L);
+    ot.resize((size_t)p.L * p.NRp);
+    m.resize(p.NRp);
+    d.resize(p.NRp);
+    dr.resize(p.NRp);
+    alpha.resize(p.NRp);
+    lim.resize(p.NRp);
+  }
+};
+
+// scores of one block of keys [k0, k0 + n) against every row, masked, into s.st [KB][NRp]
+void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n) {
+  const int nn = (n + 7) / 8 * 8;
+  const uint32_t* kc[8];
+  const uint32_t* kr[8];
+  const uint32_t* qp = p.qpack + (size_t)b * p.KP * p.NRp;
+  for (int t0 = 0; t0 < nn; t0 += 8) {
+    for (int m = 0; m < 8; ++m) {
+      const int64_t t = k0 + std::min(t0 + m, n - 1);  // padding keys repeat the last one (masked below)
+      kc[m] = reinterpret_cast<const uint32_t*>(ckv_row(p, b, t));
+      kr[m] = reinterpret_cast<const uint32_t*>(kpe_row(p, b, t));
+    }
+    int r0 = 0;
+    for (; r0 + 32 <= p.NRp; r0 += 32)
+      score_tile<2>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.NRp, s.st.data() + t0 * p.NRp + r0, p.NRp, p.scale);
+    if (r0 < p.NRp)
+      score_tile<1>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.NRp, s.st.data() + t0 * p.NRp + r0, p.NRp, p.scale);
+  }
+  int64_t lo = p.T, hi = 0;
+  for (int r = 0; r < p.NR; ++r) {
+    lo = std::min(lo, s.lim[r]);
+    hi = std::max(hi, s.lim[r]);
+  }
+  for (int t = 0; t < nn; ++t) {
+    const int64_t key = k0 + t;
+    float* row = s.st.data() + t * p.NRp;
+    if (t >= n || key >= hi) {
+      std::fill(row, row + p.NRp, NEG_INF);
+    } else if (key >= lo) {
+      for (int r = 0; r < p.NR; ++r)
+        if (key >= s.lim[r]) row[r] = NEG_INF;
+    }
+  }
+}
+
+// online softmax update over the block's nn keys: running max, both denominators, bf16 pairs in s.pt
+void block_softmax(const Problem& p, Scratch& s, int nn) {
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int r = 0; r < p.NRp; r += 16) {
+    __m512 bm = _mm512_set1_ps(NEG_INF);
+    for (int t = 0; t < nn; ++t) bm = _mm512_max_ps(bm, _mm512_loadu_ps(s.st.data() + t * p.NRp + r));
+    const __m512 m_old = _mm512_loadu_ps(s.m.data() + r);
+    const __m512 m_new = _mm512_max_ps(m_old, bm);
+    const __mmask16 dead = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ);
+    const __m512 safe = _mm512_mask_mov_ps(m_new, dead, _mm512_setzero_ps());
+    const __m512 alpha = _mm512_mask_mov_ps(exp512(_mm512_sub_ps(m_old, safe)), dead, _mm512_set1_ps(1.0f));
+    __m512 sum = _mm512_setzero_ps(), sum_r = _mm512_setzero_ps();
+    for (int t = 0; t < nn; t += 2) {
+      const __m512 e0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s.st.data() + t * p.NRp + r), safe));
+      const __m512 e1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s.st.data() + (t + 1) * p.NRp + r), safe));
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0's 16 bf16, then e1's
+      _mm512_storeu_si512(s.pt.data() + (t / 2) * p.NRp + r, _mm512_permutexvar_epi16(inter, both));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+      const __m512i lo16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
+      const __m512i hi16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
+      sum_r = _mm512_add_ps(sum_r, _mm512_castsi512_ps(_mm512_slli_epi32(lo16, 16)));
+      sum_r = _mm512_add_ps(sum_r, _mm512_castsi512_ps(_mm512_slli_epi32(hi16, 16)));
+    }
+    _mm512_storeu_ps(s.m.data() + r, m_new);
+    _mm512_storeu_ps(s.alpha.data() + r, alpha);
+    _mm512_storeu_ps(s.d.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(s.d.data() + r), alpha, sum));
+    _mm512_storeu_ps(s.dr.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(s.dr.data() + r), alpha, sum_r));
+  }
+}
+
+// the block's c_kv rows interleaved in pairs: vp[tp][l] = (V[2tp][l], V[2tp+1][l])
+void block_values(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n, int nn) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                      6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23,
+                                      54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  for (int t = 0; t < nn; t += 2) {
+    const uint16_t* a = ckv_row(p, b, k0 + std::min(t, n - 1));
+    const uint16_t* c = ckv_row(p, b, k0 + std::min(t + 1, n - 1));
+    uint32_t* out = s.vp.data() + (t / 2) * p.L;
+    for (int l = 0; l < p.L; l += 32) {
+      const __m512i x = _mm512_loadu_si512(a + l), y = _mm512_loadu_si512(c + l);
+      _mm512_storeu_si512(out + l, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(out + l + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+void block_mix(const Problem& p, Scratch& s, int nn) {
+  for (int l0 = 0; l0 < p.L; l0 += 8) {
+    int r0 = 0;
+    for (; r0 + 32 <= p.NRp; r0 += 32)
+      pv_tile<2>(s.vp.data() + l0, p.L, nn / 2, s.pt.data() + r0, p.NRp, s.ot.data() + l0 * p.NRp + r0, p.NRp,
+                 s.alpha.data() + r0);
+    if (r0 < p.NRp)
+      pv_tile<1>(s.vp.data() + l0, p.L, nn / 2, s.pt.data() + r0, p.NRp, s.ot.data() + l0 * p.NRp + r0, p.NRp,
+                 s.alpha.data() + r0);
+  }
+}
+
+// one sequence, keys [k0, k1): o [NR, L] (normalized) and lse [NR]
+void attend_part(const Problem& p, int64_t b, int64_t k0, int64_t k1, float* o, float* lse) {
+  thread_local Scratch s;
+  s.fit(p);
+  for (int r = 0; r < p.NRp; ++r) s.lim[r] = r < p.NR ? std::min(limit_of(p, b, r), k1) : 0;
+  std::fill(s.m.begin(), s.m.end(), NEG_INF);
+  std::fill(s.d.begin(), s.d.end(), 0.0f);
+  std::fill(s.dr.begin(), s.dr.end(), 0.0f);
+  std::fill(s.ot.begin(), s.ot.end(), 0.0f);
+  int64_t hi = 0;
+  for (int r = 0; r < p.NR; ++r) hi = std::max(hi, s.lim[r]);
+  for (int64_t kb = k0; kb < std::min(k1, hi); kb += KB) {
+    const int n = (int)std::min<int64_t>(KB, std::min(k1, hi) - kb);
+    const int nn = (n + 7) / 8 * 8;
+    block_scores(p, s, b, kb, n);
+    block_softmax(p, s, nn);
+    block_values(p, s, b, kb, n, nn);
+    block_mix(p, s, nn);
+  }
+  for (int r = 0; r < p.NR; ++r) {
+    const bool none = !(s.d[r] > 0.0f);
+    lse[r] = none ? NEG_INF : s.m[r] + std::log(s.d[r]);
+    const float inv = none ? 0.0f : 1.0f / s.dr[r];
+    for (int l = 0; l < p.L; ++l) o[(int64_t)r * p.L + l] = s.ot[(int64_t)l * p.NRp + r] * inv;
+  }
+}
+
+// q_lat [B, NR, L], q_pe [B, NR, R] (bf16) -> [B][KP][NRp] pairs, padding rows zero
+void pack_queries(const at::Tensor& q_lat, const at::Tensor& q_pe, Problem& p, std::vector<uint32_t>& buf) {
+  const int64_t B = q_lat.size(0);
+  buf.assign((size_t)B * p.KP * p.NRp, 0u);
+  const auto* ql = reinterpret_cast<const uint32_t*>(q_lat.data_ptr<at::BFloat16>());
+  const auto* qr = reinterpret_cast<const uint32_t*>(q_pe.data_ptr<at::BFloat16>());
+  const int kpl = p.L / 2, kpr = p.R / 2;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint32_t* out = buf.data() + (size_t)b * p.KP * p.NRp;
+      for (int r = 0; r < p.NR; ++r) {
+        const uint32_t* a = ql + ((size_t)b * p.NR + r) * kpl;
+        const uint32_t* c = qr + ((size_t)b * p.NR + r) * kpr;
+        for (int k = 0; k < kpl; ++k) out[(size_t)k * p.NRp + r] = a[k];
+        for (int k = 0; k < kpr; ++k) out[(size_t)(kpl + k) * p.NRp + r] = c[k];
+      }
+    }
+  });
+  p.qpack = buf.data();
+}
+
+void merge_parts(const Problem& p, int64_t B, int64_t splits, const float* po, const float* pl, float* o,
+                 float* lse) {
+  at::parallel_for(0, B * p.NR, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / p.NR, r = i % p.NR;
+      float top = NEG_INF;
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, pl[(b * splits + k) * p.NR + r]);
+      float* out = o + i * p.L;
+      std::fill(out, out + p.L, 0.0f);
+      if (top == NEG_INF) {
+        lse[i] = NEG_INF;
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t k = 0; k < splits; ++k) total += std::exp(pl[(b * splits + k) * p.NR + r] - top);
+      for (int64_t k = 0; k < splits; ++k) {
+        const float w = std::exp(pl[(b * splits + k) * p.NR + r] - top) / total;
+        if (w == 0.0f) continue;
+        const float* part = po + ((b * splits + k) * p.NR + r) * p.L;
+        for (int l = 0; l < p.L; ++l) out[l] += w * part[l];
+      }
+      lse[i] = top + std::log(total);
+    }
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "latent_decode: ", what); }
+
+std::tuple<at::Tensor, at::Tensor> latent_decode(const at::Tensor& q_lat, const at::Tensor& q_pe,
+                                                 const at::Tensor& c_kv, const at::Tensor& k_pe,
+                                                 const c10::optional<at::Tensor>& rows, const at::Tensor& kv_lens,
+                                                 int64_t new_tokens, int64_t key_start, double scale,
+                                                 int64_t splits) {
+  check(q_lat.dim() == 3 && q_pe.dim() == 3 && q_lat.is_contiguous() && q_pe.is_contiguous(),
+        "q_lat [B, S*H, L] and q_pe [B, S*H, R] must be contiguous");
+  check(q_lat.scalar_type() == at::kBFloat16 && q_pe.scalar_type() == at::kBFloat16, "queries must be bf16");
+  check(c_kv.scalar_type() == at::kBFloat16 && k_pe.scalar_type() == at::kBFloat16, "cache must be bf16");
+  check(c_kv.stride(-1) == 1 && k_pe.stride(-1) == 1, "cache rows must be contiguous");
+  check(kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous(), "kv_lens must be contiguous int64");
+  Problem p{};
+  const int64_t B = q_lat.size(0);
+  p.NR = (int)q_lat.size(1);
+  p.L = (int)q_lat.size(2);
+  p.R = (int)q_pe.size(2);
+  p.S = (int)new_tokens;
+  check(p.S > 0 && p.NR % p.S == 0, "rows must be new_tokens x heads");
+  p.H = p.NR / p.S;
+  check(p.L % 32 == 0 && p.R % 2 == 0 && p.R > 0, "latent width must be a multiple of 32, rope width even");
+  p.NRp = (p.NR + 15) / 16 * 16;
+  p.KP = p.L / 2 + p.R / 2;
+  p.scale = (float)scale;
+  p.kv_lens = kv_lens.data_ptr<int64_t>();
+  p.key_start = key_start;
+  p.ckv = reinterpret_cast<const uint16_t*>(c_kv.data_ptr<at::BFloat16>());
+  p.kpe = reinterpret_cast<const uint16_t*>(k_pe.data_ptr<at::BFloat16>());
+  if (rows.has_value() && rows->defined()) {
+    check(rows->dim() == 2 && rows->scalar_type() == at::kLong && rows->stride(1) == 1, "rows [B, T] int64");
+    check(c_kv.dim() == 2 && k_pe.dim() == 2, "with rows, c_kv and k_pe are pools [N, width]");
+    p.rows = rows->data_ptr<int64_t>();
+    p.rows_b = rows->stride(0);
+    p.T = rows->size(1);
+    p.ckv_t = c_kv.stride(0);
+    p.kpe_t = k_pe.stride(0);
+  } else {
+    check(c_kv.dim() == 3 && k_pe.dim() == 3, "c_kv [B, T, L] and k_pe [B, T, R]");
+    p.T = c_kv.size(1);
+    p.ckv_b = c_kv.stride(0);
+    p.ckv_t = c_kv.stride(1);
+    p.kpe_b = k_pe.stride(0);
+    p.kpe_t = k_pe.stride(1);
+  }
+  check(c_kv.size(-1) == p.L && k_pe.size(-1) == p.R && kv_lens.size(0) == B, "widths or batch differ");
+  std::vector<uint32_t> qbuf;
+  pack_queries(q_lat, q_pe, p, qbuf);
+  const auto f32 = q_lat.options().dtype(at::kFloat);
+  at::Tensor o = at::empty({B, p.NR, p.L}, f32), lse = at::empty({B, p.NR}, f32);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, (p.T + KB - 1) / KB));
+  const int64_t span = ((p.T + splits - 1) / splits + KB - 1) / KB * KB;
+  at::Tensor po = splits == 1 ? o : at::empty({B * splits, p.NR, p.L}, f32);
+  at::Tensor pl = splits == 1 ? lse : at::empty({B * splits, p.NR}, f32);
+  float* po_ = po.data_ptr<float>();
+  float* pl_ = pl.data_ptr<float>();
+  at::parallel_for(0, B * splits, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / splits, k0 = (i % splits) * span, k1 = std::min(p.T, k0 + span);
+      attend_part(p, b, std::min(k0, k1), k1, po_ + i * p.NR * p.L, pl_ + i * p.NR);
+    }
+  });
+  if (splits > 1) merge_parts(p, B, splits, po_, pl_, o.data_ptr<float>(), lse.data_ptr<float>());
+  return {o, lse};
+}
+
+// y [M, N] = x [M, K] . w [N, K]^T for a few rows M: each weight row read once, M x NB dot products
+// at a time in fp32 (a decode step's projections are a read of their weights)
+template <int MB, int NB>
+void small_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t n0,
+                int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += NB) {
+    const int nb = (int)std::min<int64_t>(NB, n1 - n);
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 live = K - k >= 32 ? ~0u : ((1u << (K - k)) - 1);
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j)
+        wv[j] = _mm512_maskz_loadu_epi16(live, w + (n + std::min(j, nb - 1)) * ldw + k);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(live, x + m * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xv, (__m512bh)wv[j]);
+      }
+    }
+    float sums[MB][NB];  // every accumulator reduced (a loop to nb would keep them in memory)
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) sums[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < nb; ++j) y[m * ldy + n + j] = sums[m][j];
+  }
+}
+
+template <int MB, int NB>
+void small_rows_all(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t N,
+                    float* y, int64_t ldy) {
+  // grains of 64 output columns: a few hundred KB of weights per task
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t g0, int64_t g1) {
+    small_rows<MB, NB>(x, ldx, w, ldw, K, g0 * 64, std::min(N, g1 * 64), y, ldy);
+  });
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
+  check(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
+  check(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "x and w must be bf16");
+  check(x.stride(1) == 1 && w.stride(1) == 1, "rows must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  check(M <= 16, "at most 16 rows");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t mb = std::min<int64_t>(8, M - m0);
+    const uint16_t* xm = xp + m0 * x.stride(0);
+    float* ym = yp + m0 * N;
+    switch (mb) {
+      case 1: small_rows_all<1, 8>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 2: small_rows_all<2, 6>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 3: small_rows_all<3, 4>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 4: small_rows_all<4, 4>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 5: small_rows_all<5, 3>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 6: small_rows_all<6, 3>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      case 7: small_rows_all<7, 2>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+      default: small_rows_all<8, 2>(xm, x.stride(0), wp, w.stride(0), K, N, ym, N); break;
+    }
+  }
+  return y.to(at::kBFloat16);
+}
+
+
+// NV x 16 columns of one query row of one head: sum over d of q[d] * w[d, l0 .. l0 + 16 NV) in fp32
+template <int NV>
+inline void fold_cols(const uint16_t* q, const uint16_t* w, int64_t ldw, int64_t dn, uint16_t* dst) {
+  __m512 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dn; ++d) {
+    const uint32_t bits = (uint32_t)q[d] << 16;
+    float qd;
+    std::memcpy(&qd, &bits, 4);
+    const __m512 b = _mm512_set1_ps(qd);
+    const uint16_t* row = w + d * ldw;
+    for (int j = 0; j < NV; ++j) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j)));
+      acc[j] = _mm512_fmadd_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_si256((__m256i*)(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
+}
+
+// q_lat [M, H, L] = q [M, H, dn] . w_uk [H, dn, L] per head, fp32 sums, rounded to bf16: each weight
+// row read once for every query row (a bmm over a strided weight view copies the weight first)
+at::Tensor fold_heads(const at::Tensor& q, const at::Tensor& w) {
+  check(q.dim() == 3 && w.dim() == 3 && q.size(1) == w.size(0) && q.size(2) == w.size(1), "q [M,H,dn], w [H,dn,L]");
+  check(q.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "q and w must be bf16");
+  check(q.stride(2) == 1 && w.stride(2) == 1 && w.size(2) % 16 == 0, "rows contiguous, L a multiple of 16");
+  const int64_t M = q.size(0), H = q.size(1), dn = q.size(2), L = w.size(2);
+  check(M <= 16, "at most 16 rows");
+  at::Tensor out = at::empty({M, H, L}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* qm = qp + m * q.stride(0) + h * q.stride(1);
+        const uint16_t* wh = wp + h * w.stride(0);
+        uint16_t* dst = op + (m * H + h) * L;
+        int64_t l0 = 0;
+        for (; l0 + 256 <= L; l0 += 256) fold_cols<16>(qm, wh + l0, w.stride(1), dn, dst + l0);
+        for (; l0 < L; l0 += 16) fold_cols<1>(qm, wh + l0, w.stride(1), dn, dst + l0);
+      }
+  });
+  return out;
+}
+
+// out [M, H, dv] = o [M, H, L] . w_uv[h]^T per head (w_uv [H, dv, L]): dot products along L
+at::Tensor unfold_heads(const at::Tensor& o, const at::Tensor& w) {
+  check(o.dim() == 3 && w.dim() == 3 && o.size(1) == w.size(0) && o.size(2) == w.size(2), "o [M,H,L], w [H,dv,L]");
+  check(o.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "o and w must be bf16");
+  check(o.stride(2) == 1 && w.stride(2) == 1, "rows must be contiguous");
+  const int64_t M = o.size(0), H = o.size(1), L = o.size(2), dv = w.size(1);
+  check(M <= 8, "at most 8 rows");
+  at::Tensor y = at::empty({M, H, dv}, o.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(o.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint16_t* x = xp + h * o.stride(1);
+      const uint16_t* wh = wp + h * w.stride(0);
+      float* yh = yp + h * dv;
+      switch (M) {
+        case 1: small_rows<1, 8>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 2: small_rows<2, 6>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 3: small_rows<3, 4>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 4: small_rows<4, 4>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 5: small_rows<5, 3>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 6: small_rows<6, 3>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        case 7: small_rows<7, 2>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+        default: small_rows<8, 2>(x, o.stride(0), wh, w.stride(1), L, 0, dv, yh, H * dv); break;
+      }
+    }
+  });
+  return y.to(at::kBFloat16);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mlakit_cpu, m) {
+  m.def(
+      "latent_decode(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, Tensor? rows, Tensor kv_lens, "
+      "int new_tokens, int key_start, float scale, int splits) -> (Tensor, Tensor)");
+  m.impl("latent_decode", c10::DispatchKey::CPU, TORCH_FN(latent_decode));
+  m.def("small_linear(Tensor x, Tensor w) -> Tensor");
+  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
+  m.def("fold_heads(Tensor q, Tensor w) -> Tensor");
+  m.impl("fold_heads", c10::DispatchKey::CPU, TORCH_FN(fold_heads));
+  m.def("unfold_heads(Tensor o, Tensor w) -> Tensor");
+  m.impl("unfold_heads", c10::DispatchKey::CPU, TORCH_FN(unfold_heads));
+}

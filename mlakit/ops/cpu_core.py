@@ -1,0 +1,256 @@
+"""The fused CPU decode core (mlakit/csrc/latent_decode.cpp) and the choice between it and the torch path.
+
+The fused core runs where the CPU has AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake, Sapphire
+Rapids and later) and the storage is bf16: bf16 products, fp32 scores, softmax and sums, the cache
+read in place, the key range split for parallel work and merged by log-sum-exp. It is compiled once,
+on first use, with the system's C++ compiler against torch's own headers (torch.utils.cpp_extension's
+include paths and ABI flag), in a subprocess bounded by BUILD_TIMEOUT_S, into a cache folder keyed
+by the source, the flags and the torch version. Wherever it cannot build or run (no compiler, another
+ISA, autograd, torch.compile, other widths or dtypes) the torch path runs: nothing fails for want of it.
+
+MLAKIT_CPU_CORE=torch (or 0/off) never builds or uses it; MLAKIT_CPU_CORE_DIR moves the build cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CORES = ("auto", "fused", "torch")
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "latent_decode.cpp"
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+FLAGS += ("-mavx512bf16", "-mfma", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H")
+# seconds one compile may take (it took 35-50 s on a loaded 2-core machine)
+BUILD_TIMEOUT_S = 240
+
+_state: dict = {"loaded": None, "why": None}
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX512-BF16 or AMX-BF16): not only AVX-512."""
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # torch >= 2.3
+    caps = probe() if probe is not None else {}
+    return caps.get("architecture") == "x86_64" and bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def check_core(core: str) -> None:
+    if core not in CORES:
+        raise ValueError(f"core must be one of {CORES}, got {core!r}")
+
+
+def fits(q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, key_mask=None) -> str | None:
+    """Why the fused core cannot take these tensors, or None when it can (a host fact: no data read)."""
+    if key_mask is not None:
+        return "a key_mask (left padding)"
+    if c_kv.device.type != "cpu":
+        return f"device {c_kv.device.type}"
+    if c_kv.dtype != torch.bfloat16 or k_pe.dtype != torch.bfloat16:
+        return f"cache dtype {c_kv.dtype} (bf16 only)"
+    widths = width_reason(c_kv.shape[-1], k_pe.shape[-1])
+    if widths is not None:
+        return widths
+    if c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        return "cache rows not contiguous"
+    if torch.is_grad_enabled() and (q_lat.requires_grad or c_kv.requires_grad or k_pe.requires_grad):
+        return "autograd"
+    if torch.compiler.is_compiling():
+        return "torch.compile"
+    return None
+
+
+def use_fused(core: str, q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, key_mask=None) -> bool:
+    """Whether `core` ("auto", "fused", "torch") runs the fused core here; "fused" where it cannot
+    run is a ValueError naming why."""
+    check_core(core)
+    if core == "torch":
+        return False
+    why = fits(q_lat, c_kv, k_pe, key_mask) or (None if available() else _state["why"])
+    if why is not None and core == "fused":
+        raise ValueError(f"core='fused' cannot run here: {why}")
+    return why is None
+
+
+def fused_latent(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    rows: torch.Tensor | None = None,
+    key_start: int = 0,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused core: q_lat [B,S,H,L], q_pe [B,S,H,dr] against c_kv [B,T,L], k_pe [B,T,dr] (or pools
+    [N, L], [N, dr] read at `rows` [B, T]), keys at positions key_start.. ; query i of row b sees keys
+    up to kv_lens[b] - S + i. Returns (o_lat [B,S,H,L], lse [B,S,H]) in fp32; -inf/0 where no key is seen.
+    """
+    if not available():
+        raise ValueError(f"the fused core cannot run here: {_state['why']}")
+    batch, new, heads, latent = q_lat.shape
+    q_l = q_lat.reshape(batch, new * heads, latent).to(torch.bfloat16).contiguous()
+    q_r = q_pe.reshape(batch, new * heads, -1).to(torch.bfloat16).contiguous()
+    keys = (c_kv if rows is None else rows).shape[1]
+    parts = default_splits(batch, keys) if splits is None else splits
+    lens = kv_lens.to(device="cpu", dtype=torch.long).contiguous()
+    o, lse = torch.ops.mlakit_cpu.latent_decode(
+        q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts
+    )
+    return o.view(batch, new, heads, latent), lse.view(batch, new, heads)
+
+
+# keys one part of a split key range holds at least (fewer: the merge costs more than it spreads)
+MIN_SPLIT_KEYS = 512
+
+
+def default_splits(batch: int, keys: int) -> int:
+    """Parts per sequence: about two work items per thread, none shorter than MIN_SPLIT_KEYS."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 1
+    want = -(-2 * threads // batch)
+    return max(1, min(want, keys // MIN_SPLIT_KEYS))
+
+
+def few_rows_fit(x: torch.Tensor, w: torch.Tensor, rows: int = 0, limit: int = 16) -> bool:
+    """Whether the few-row products (`small_linear`, `fold_heads`, `unfold_heads`) take x and w: bf16
+    on a CPU, at most `limit` rows, no autograd, not traced, the core loaded."""
+    if rows > limit or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    if w.device.type != "cpu" or x.device != w.device or w.stride(-1) != 1:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    return not torch.compiler.is_compiling() and available()
+
+
+def fold_heads(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [M, H, dn] · w_uk [H, dn, L] per head → [M, H, L] bf16 (fp32 sums): the weight read once."""
+    return torch.ops.mlakit_cpu.fold_heads(q if q.stride(-1) == 1 else q.contiguous(), w_uk)
+
+
+def unfold_heads(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o [M <= 8, H, L] · w_uv[h]ᵀ per head (w_uv [H, dv, L]) → [M, H, dv] bf16 (fp32 sums)."""
+    return torch.ops.mlakit_cpu.unfold_heads(o if o.stride(-1) == 1 else o.contiguous(), w_uv)
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M <= 16, K] · w [N, K]ᵀ in bf16 with fp32 sums: each weight row read once."""
+    return torch.ops.mlakit_cpu.small_linear(x if x.stride(-1) == 1 else x.contiguous(), w)
+
+
+def core_name(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -> str:
+    """The absorbed decode core "auto" runs for a cache of `dtype` on `device` (for reports):
+    "fused-avx512bf16" or "torch-<core dtype>". Builds the fused core if it is not built yet."""
+    return describe(dtype, device, cfg)[0]
+
+
+def width_reason(latent: int, rope: int) -> str | None:
+    """Why the fused core cannot take these widths (the rule `fits` applies), or None when it can."""
+    if latent % 32 or rope % 2:
+        return f"widths {latent}/{rope} (latent a multiple of 32, rope even)"
+    return None
+
+
+def describe(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -> tuple[str, str | None]:
+    """(core_name, why not the fused core: None where it runs or off a CPU). With `cfg` (an MLAConfig)
+    the width rule of `fits` applies too: a latent not a multiple of 32 or an odd rope runs the torch core.
+    """
+    from mlakit.ops.common import core_dtype
+
+    on_cpu = torch.device(device).type == "cpu"
+    widths = None if cfg is None else width_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if on_cpu and dtype == torch.bfloat16 and widths is None and available():
+        return "fused-avx512bf16", None
+    name = "torch-" + str(core_dtype(dtype, device)).removeprefix("torch.")
+    if not on_cpu:
+        return name, None
+    if dtype != torch.bfloat16:
+        return name, unavailable_reason() or f"the fused core takes bf16 caches, not {dtype}"
+    return name, unavailable_reason() or widths
+
+
+def unavailable_reason() -> str | None:
+    """Why the fused core is not available here (None when it is)."""
+    return None if available() else _state["why"]
+
+
+def available() -> bool:
+    """Whether the fused core is loaded (built on the first call where the CPU can run it)."""
+    if _state["loaded"] is None:
+        _state["loaded"], _state["why"] = _load()
+    return _state["loaded"]
+
+
+def _load() -> tuple[bool, str | None]:
+    if os.environ.get("MLAKIT_CPU_CORE", "auto").lower() in ("0", "off", "torch", "false"):
+        return False, "MLAKIT_CPU_CORE turns it off"
+    if not cpu_has_bf16():
+        return False, "this CPU has no AVX512-BF16"
+    try:
+        lib = _build_dir() / "mlakit_cpu_core.so"
+        failed = lib.with_suffix(".failed")
+        if failed.exists():
+            return False, failed.read_text()[-400:]
+        if not lib.exists():
+            why, lasting = _build(lib)
+            if why is not None:
+                if lasting:  # a compile error stays one; no compiler or a slow machine may do better later
+                    failed.write_text(why)
+                return False, why
+    except OSError as e:  # no source, no writable cache folder
+        return False, f"cannot build the fused core: {e}"
+    try:
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError) as e:
+        return False, f"cannot load {lib}: {e}"
+    return True, None
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    root = (
+        os.environ.get("MLAKIT_CPU_CORE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlakit" / "cpu_core"
+    )
+    path = Path(root) / key.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compile_command(out: Path) -> list[str]:
+    from torch.utils import cpp_extension as ext
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS, abi, str(SOURCE), "-o", str(out)]
+    cmd += [f"-I{p}" for p in ext.include_paths()]
+    cmd += [f"-L{p}" for p in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return cmd
+
+
+def _build(lib: Path) -> tuple[str | None, bool]:
+    """Compile into a temporary name, then rename (another process may be loading the same path).
+    Returns (why it failed or None, whether the failure lasts): only the compiler's non-zero exit on this
+    source and these flags lasts; no compiler (OSError) or a timeout may do better on a later call."""
+    tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
+    try:
+        run = subprocess.run(
+            _compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot compile {SOURCE.name}: {type(e).__name__}: {e}", False
+    if run.returncode != 0:
+        return f"cannot compile {SOURCE.name}: {run.stderr.strip()[-400:]}", True
+    os.replace(tmp, lib)
+    return None, False
+
+
+if __name__ == "__main__":  # python -m mlakit.ops.cpu_core: build (or report why not)
+    print("fused core:", "ready" if available() else f"unavailable ({_state['why']})")
+    sys.exit(0)

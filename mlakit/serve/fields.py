@@ -1,0 +1,87 @@
+"""One check per kind of request field; each raises OpenAI's 400 naming the field (`param`)."""
+
+from __future__ import annotations
+
+import math
+
+from mlakit.serve.errors import bad_request
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def integer(body: dict, name: str, low: int | None = None, high: int | None = None, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad_request(name, f"`{name}` must be an integer, got {value!r}", code="invalid_type")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise bad_request(name, f"`{name}` must be {bounds}, got {value}")
+    return value
+
+
+def number(body: dict, name: str, low: float, high: float | None, default, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise bad_request(name, f"`{name}` must be a number, got {value!r}", code="invalid_type")
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high):
+        left = "(" if low_open else "["
+        right = "inf)" if high is None else f"{high}]"
+        raise bad_request(name, f"`{name}` must be in {left}{low}, {right}, got {value}")
+    return float(value)
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(name, f"`{name}` must be a boolean, got {value!r}", code="invalid_type")
+    return value
+
+
+def string(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad_request(name, f"`{name}` must be a string, got {value!r}", code="invalid_type")
+    return value
+
+
+def stop_strings(body: dict) -> list[str] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request("stop", f"`stop` must be a non-empty string or a list of them, got {value!r}")
+    return list(items) or None
+
+
+def token_ids(value, name: str) -> list[int]:
+    """A non-empty list of non-negative ints (the vocabulary bound is checked by the caller)."""
+    if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(name, f"`{name}` must be a non-empty list of token ids (ints >= 0), got {value!r}")
+    return value
+
+
+def unsupported(body: dict, defaults: dict) -> None:
+    """A field mlakit does not implement, set to something other than its neutral value, is a 400."""
+    for name, neutral in defaults.items():
+        value = body.get(name)
+        if value is not None and value != neutral and not (isinstance(neutral, tuple) and value in neutral):
+            raise bad_request(name, f"`{name}` is not supported by this server (got {value!r})")

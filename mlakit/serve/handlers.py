@@ -1,0 +1,131 @@
+"""One generation request: check and tokenize, hand to the engine loop, answer whole or as SSE."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from mlakit.serve.errors import APIError, bad_request, engine_refusal, overloaded
+from mlakit.serve.protocol import GenerateRequest
+from mlakit.serve.responses import Choice, Shaper, Usage
+
+# completions without max_tokens generate OpenAI's default of 16; chat fills the context (as OpenAI)
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class Job:
+    """A checked request: its prompts as token ids, engine params, and how to shape the answer."""
+
+    def __init__(self, state, req: GenerateRequest):
+        self.req = req
+        self.adapter = state.adapter
+        self.n = req.sampling["n"]
+        self.prompt_ids = [self._tokenize(p) for p in req.prompts]
+        params = self._params(state.adapter.max_model_len)
+        base = uuid.uuid4().hex
+        self.requests = [(f"{base}-{i}", ids, params) for i, ids in enumerate(self.prompt_ids)]
+        self.index_of = {rid: i for i, (rid, _, _) in enumerate(self.requests)}
+        self.shaper = Shaper(req.chat, state.model_name, self.adapter.token_text, req.logprobs)
+        self._check_room(state)
+
+    def _tokenize(self, prompt) -> list[int]:
+        name = "messages" if self.req.chat else "prompt"
+        if self.req.chat:
+            ids = self.adapter.render_chat(prompt)
+        else:
+            ids = self.adapter.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise bad_request(name, f"`{name}` gives no tokens")
+        vocab = self.adapter.vocab_size
+        if max(ids) >= vocab:
+            raise bad_request(name, f"`{name}` holds token id {max(ids)}; the vocabulary has {vocab}")
+        return ids
+
+    def _params(self, context: int):
+        longest = max(len(ids) for ids in self.prompt_ids)
+        name = "messages" if self.req.chat else "prompt"
+        if longest >= context:
+            raise bad_request(name, f"the prompt has {longest} tokens; the model's context is {context}")
+        max_tokens = self.req.max_tokens
+        if max_tokens is None:
+            room = context - longest
+            max_tokens = room if self.req.chat else min(DEFAULT_COMPLETION_TOKENS, room)
+        elif longest + max_tokens > context:
+            raise bad_request(
+                self.req.max_tokens_field,
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion).",
+            )
+        try:
+            logprobs = self.req.logprobs
+            return self.adapter.make_params(**self.req.sampling, max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as err:
+            refusal = engine_refusal(err)
+            if refusal.param == "max_tokens":
+                refusal.param = self.req.max_tokens_field
+            raise refusal from None
+
+    def _check_room(self, state) -> None:
+        loop = state.loop
+        waiting = loop.inflight + len(self.requests) - self.adapter.max_num_seqs
+        if waiting > state.max_waiting:
+            raise overloaded(waiting, state.max_waiting)
+        if not loop.alive():
+            raise APIError(503, "the engine loop has stopped", code="engine_dead")
+
+    def choice(self, rid: str, index: int) -> int:
+        return self.index_of[rid] * self.n + index
+
+
+async def collect(state, job: Job, gone) -> dict:
+    """The whole answer; the client leaving aborts the requests (`gone` returns)."""
+    choices = [Choice() for _ in range(len(job.requests) * job.n)]
+    usage = Usage(prompt=sum(len(ids) for ids in job.prompt_ids))
+    cached = {}
+    async for update in state.loop.generate(job.requests, gone):
+        if update.error is not None:
+            raise update.error
+        cached[update.request_id] = update.cached_tokens
+        for d in update.deltas:
+            c = choices[job.choice(update.request_id, d.index)]
+            c.text += d.text
+            c.token_ids += d.token_ids
+            c.logprobs += d.logprobs or []
+            c.finish_reason = d.finish_reason or c.finish_reason
+            usage.completion += len(d.token_ids)
+    usage.cached = sum(cached.values())
+    return job.shaper.response(choices, usage)
+
+
+async def stream(state, job: Job, gone):
+    """Server-sent events: `data: {chunk}` per choice per step, the usage chunk if asked, `[DONE]`."""
+    shaper = job.shaper
+    total = len(job.requests) * job.n
+    if job.req.chat:
+        for i in range(total):
+            yield _event(shaper.chunk(i, "", [], None, None, 0, role=True))
+    usage = Usage(prompt=sum(len(ids) for ids in job.prompt_ids))
+    offsets, cached = [0] * total, {}
+    updates = state.loop.generate(job.requests, gone)
+    try:
+        async for update in updates:
+            if update.error is not None:
+                yield _event(update.error.body())
+                break
+            cached[update.request_id] = update.cached_tokens
+            for d in update.deltas:
+                i = job.choice(update.request_id, d.index)
+                yield _event(shaper.chunk(i, d.text, d.token_ids, d.logprobs, d.finish_reason, offsets[i]))
+                offsets[i] += len(d.text)
+                usage.completion += len(d.token_ids)
+        else:
+            if job.req.include_usage:
+                usage.cached = sum(cached.values())
+                yield _event(shaper.usage_chunk(usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        await updates.aclose()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

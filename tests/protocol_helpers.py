@@ -1,0 +1,77 @@
+"""Shared by the step-protocol tests: issue 19's tiny setup (hidden 32, 2 heads, latent 16, rope 4; two
+layers; a contiguous cache of 3 slots x 32 tokens or a paged one of 24 pages of 4), state snapshots
+compared bit for bit, and the visible latents of every slot and layer."""
+
+from __future__ import annotations
+
+import torch
+from helpers import make_layer
+
+from mlakit import LatentCache, MLAConfig
+from mlakit.cache.paged import PagedLatentCache
+
+CFG = MLAConfig(
+    hidden_size=32,
+    num_heads=2,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+)
+KINDS = ["contiguous", "paged"]
+SLOTS, MAX_LEN = 3, 32
+
+
+def make_cache(kind: str, layers: int = 2):
+    if kind == "contiguous":
+        return LatentCache(CFG, SLOTS, MAX_LEN, num_layers=layers)
+    cache = PagedLatentCache(CFG, 24, 4, max_batch=SLOTS, num_layers=layers)
+    cache.blocks.shuffle(5)
+    return cache
+
+
+def make_layers(n: int = 2, seed: int = 40) -> list:
+    layers = [make_layer(CFG, seed=seed + i) for i in range(n)]
+    for i, layer in enumerate(layers):
+        layer.layer_idx = i
+    return layers
+
+
+def state(cache) -> list:
+    """Every buffer, and the host bookkeeping that decides where the next rows go."""
+    host = (
+        (list(cache.written), list(cache._dirty))
+        if isinstance(cache, LatentCache)
+        else (list(cache.blocks.free), [list(t) for t in cache.blocks.tables], list(cache.blocks.tokens))
+    )
+    return [t.clone() for t in cache.buffers()] + [host]
+
+
+def assert_same(cache, before, what: str = "a refused call") -> None:
+    """Bit-identical buffers (NaN compares equal to itself as bytes) and host bookkeeping."""
+    now = state(cache)
+    for got, want in zip(now[:-1], before[:-1], strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{what} changed a buffer"
+    assert now[-1] == before[-1], f"{what} changed the bookkeeping: {before[-1]} -> {now[-1]}"
+
+
+def visible(cache, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_kv [n, L], k_pe [n, dr]) of the slot's first lengths[slot] tokens in one layer."""
+    n = int(cache.lengths[slot])
+    c_kv, k_pe = cache.view(torch.tensor([slot]), max(n, 1), layer=layer)
+    return c_kv[0, :n].clone(), k_pe[0, :n].clone()
+
+
+def run(layers, h, plan):
+    for layer in layers:
+        h = layer(h, plan)
+    return h
+
+
+def step(layers, cache, h, counts=None, slots=None):
+    """One planned step over the whole stack, committed; returns the output."""
+    plan = cache.plan(h.shape[1] if counts is None else counts, slots, seq_len=h.shape[1], batch=h.shape[0])
+    out = run(layers, h, plan)
+    cache.commit(plan)
+    return out
