@@ -12,14 +12,14 @@ from collections import OrderedDict
 import torch
 
 from mlakit.cache.paged import PagedLatentCache
-from mlakit.cache.quant import token_layout
+from mlakit.cache.quant import FP8_GROUP, token_layout
 from mlakit.engine import load
 from mlakit.engine.detok import Detokenizer, find_stop
 from mlakit.engine.kv import KVManager
 from mlakit.engine.params import RequestOutput, SamplingParams
 from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
-from mlakit.engine.runner import ModelRunner
+from mlakit.engine.runner import ModelRunner, check_family
 from mlakit.engine.sampler import sample
 from mlakit.engine.scheduler import kind_of, schedule
 
@@ -44,16 +44,24 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         seed: int = 0,
     ):
+        # every argument is checked, and a model instance's family, before anything (the user's model
+        # included) changes
         check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed)
+        device = load.check_device(device)
         dtype = load.resolve_dtype(dtype, device)
+        tokenizer = load.check_tokenizer(tokenizer)
+        sizes = (cache_dtype, block_size, num_blocks, cache_memory, max_num_seqs)
+        blocks = None
+        if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+            cfg, _ = check_family(model)
+            param = next(model.parameters())
+            blocks = _cache_size(cfg, model.config, dtype or param.dtype, device or param.device, *sizes)
         model, self.tokenizer = load.load_model(model, tokenizer, dtype, device)
         self.runner = ModelRunner(model)
         cfg, config = self.runner.cfg, model.config
+        if blocks is None:
+            blocks = _cache_size(cfg, config, self.runner.dtype, self.runner.device, *sizes)
         max_pos = getattr(config, "max_position_embeddings", None) or 2**20
-        row = token_layout(cfg, self.runner.dtype, cache_dtype).row_bytes
-        page = row * block_size * cfg.num_layers
-        most = max_num_seqs * -(-max_pos // block_size)
-        blocks = load.cache_blocks(num_blocks, cache_memory, page, self.runner.device, most)
         self.cache = PagedLatentCache(
             cfg,
             blocks,
@@ -191,13 +199,17 @@ class LLMEngine:
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
         t0 = time.perf_counter()
-        plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width, bucket=self.bucket)
-        t1 = time.perf_counter()
-        try:
+        plan = t1 = None
+        try:  # a failing plan() undoes its own reservations; a failing forward discards the plan
+            plan = self.cache.plan(
+                sched.counts, [s.slot for s in sched.seqs], seq_len=width, bucket=self.bucket
+            )
+            t1 = time.perf_counter()
             packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
             logits = self.runner.forward(plan, ids, positions, packed, keep)
         except BaseException:
-            self.cache.discard(plan)
+            if plan is not None:
+                self.cache.discard(plan)
             for seq in reversed(sched.admitted):  # back to where they were: nothing lost, nothing leaked
                 self.kv.release(seq)
                 self.running.remove(seq)
@@ -295,3 +307,20 @@ class LLMEngine:
         seqs = [s for r in self.requests.values() for s in r.seqs]
         self.kv.check(seqs)
         self.kv.blocks.check()
+
+
+def _cache_size(
+    cfg, config, dtype, device, cache_dtype, block_size, num_blocks, cache_memory, max_seqs
+) -> int:
+    """Pages of the cache (every refusal a ValueError naming its argument)."""
+    if cache_dtype == "fp8" and cfg.kv_lora_rank % FP8_GROUP:
+        raise ValueError(
+            f"cache_dtype='fp8' needs kv_lora_rank divisible by {FP8_GROUP} (one fp32 scale per {FP8_GROUP} "
+            f"latent values, FlashMLA's page format); this model's kv_lora_rank is {cfg.kv_lora_rank}: "
+            "use cache_dtype='int8' or None"
+        )
+    max_pos = getattr(config, "max_position_embeddings", None) or 2**20
+    page = token_layout(cfg, dtype, cache_dtype).row_bytes * block_size * cfg.num_layers
+    return load.cache_blocks(
+        num_blocks, cache_memory, page, torch.device(device), max_seqs * -(-max_pos // block_size)
+    )
