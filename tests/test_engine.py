@@ -263,3 +263,16 @@ def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):
     assert main(argv + ["--top-p", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "mlakit generate: error: top_p must be in (0, 1], got 0.0"
+
+
+def test_decode_and_prefill_steps_alternate_while_both_are_pending():
+    eng = engine(max_num_batched_tokens=64)
+    eng.add_request("a", prompts(1, [20], seed=12)[0], SamplingParams(temperature=0, max_tokens=6))
+    eng.step()  # a's prompt: one mixed step
+    eng.add_request("b", prompts(1, [150], seed=13)[0], SamplingParams(temperature=0, max_tokens=2))
+    kinds = []
+    for _ in range(4):
+        eng.step()
+        kinds.append(eng._last_kind)
+    assert kinds == ["prefill", "decode", "prefill", "decode"]
+    drain(eng)

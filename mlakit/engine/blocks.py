@@ -141,8 +141,13 @@ class SharedBlockManager(BlockManager):
         if grow > self.pool.num_free:
             raise ValueError(f"out of blocks: slot {slot} needs {grow}, {self.pool.num_free} are free")
         table = self.tables[slot]
-        table.extend(self.pool.allocate() for _ in range(grow))
+        evicted = []  # (page, the cached hash its allocation evicted or None), for `undo`
+        for _ in range(grow):
+            h = self.pool.hash_of.get(next(iter(self.pool.free)))
+            table.append(self.pool.allocate())
+            evicted.append((table[-1], h))
         start = self.tokens[slot]
+        self._record("append", slot, grow, (start, evicted))
         self.tokens[slot] = start + new_tokens
         size = self.block_size
         return [table[t // size] * size + t % size for t in range(start, start + new_tokens)]
@@ -153,11 +158,36 @@ class SharedBlockManager(BlockManager):
         table = self.tables[slot]
         keep = blocks_for(tokens, self.block_size)
         dropped = table[keep:]
+        self._record("truncate", slot, len(dropped), (self.tokens[slot], list(dropped)))
         del table[keep:]
         for page in reversed(dropped):
             self.pool.drop(page)
         self.tokens[slot] = tokens
         return dropped
+
+    def undo(self, journal: list) -> None:
+        """Take back the appends and truncations recorded in `journal`, newest first: reference counts,
+        the free list's order, the prefix index (pages an append evicted are findable again), tables and
+        token counts are as they were before the first."""
+        pool = self.pool
+        for op, slot, _blocks, (tokens, pages) in reversed(journal):
+            table = self.tables[slot]
+            if op == "append":
+                del table[len(table) - len(pages) :]
+                for page, h in reversed(pages):  # allocate popped each from the front of the free list
+                    pool.refs[page] = 0
+                    pool.free[page] = None
+                    pool.free.move_to_end(page, last=False)
+                    if h is not None:
+                        pool.hash_of[page], pool.page_of[h] = h, page
+            else:
+                for page in pages:  # dropped newest first: re-held oldest first
+                    if pool.refs[page] == 0:
+                        del pool.free[page]
+                    pool.refs[page] += 1
+                table.extend(pages)
+            self.tokens[slot] = tokens
+        journal.clear()
 
     def adopt(self, slot: int, pages: Sequence[int], tokens: int) -> None:
         """Start the empty `slot` on `pages` (already written, whole): one more reference each."""

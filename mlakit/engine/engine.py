@@ -8,37 +8,23 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from mlakit.cache.paged import PagedLatentCache
-from mlakit.cache.quant import token_layout
+from mlakit.cache.quant import FP8_GROUP, token_layout
 from mlakit.engine import load
 from mlakit.engine.detok import Detokenizer, find_stop
 from mlakit.engine.kv import KVManager
-from mlakit.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from mlakit.engine.params import RequestOutput, SamplingParams
+from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
-from mlakit.engine.runner import ModelRunner
+from mlakit.engine.runner import ModelRunner, check_family
 from mlakit.engine.sampler import sample
-from mlakit.engine.scheduler import schedule
+from mlakit.engine.scheduler import kind_of, schedule
 
 PENDING = "pending"  # a sibling of n > 1 waiting for the prompt to be computed once
 KEEP_FINISHED_IDS = 100_000
-
-
-@dataclass
-class EngineStats:
-    """What a server exports as metrics (vLLM's names)."""
-
-    num_running: int  # requests with a completion in the running queue
-    num_waiting: int  # unfinished requests with none running
-    kv_cache_usage: float  # fraction of pages held by requests (pages only the prefix cache keeps: free)
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (each admission)
-    prefix_cache_hits: int  # of which found
-    prompt_tokens: int  # prompt tokens of admitted requests (first admission)
-    generation_tokens: int  # tokens sampled
-    num_preemptions: int
 
 
 class LLMEngine:
@@ -58,18 +44,24 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         seed: int = 0,
     ):
-        _check_args(
-            cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed
-        )
+        # every argument is checked, and a model instance's family, before anything (the user's model
+        # included) changes
+        check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed)
+        device = load.check_device(device)
         dtype = load.resolve_dtype(dtype, device)
+        tokenizer = load.check_tokenizer(tokenizer)
+        sizes = (cache_dtype, block_size, num_blocks, cache_memory, max_num_seqs)
+        blocks = None
+        if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+            cfg, _ = check_family(model)
+            param = next(model.parameters())
+            blocks = _cache_size(cfg, model.config, dtype or param.dtype, device or param.device, *sizes)
         model, self.tokenizer = load.load_model(model, tokenizer, dtype, device)
         self.runner = ModelRunner(model)
         cfg, config = self.runner.cfg, model.config
+        if blocks is None:
+            blocks = _cache_size(cfg, config, self.runner.dtype, self.runner.device, *sizes)
         max_pos = getattr(config, "max_position_embeddings", None) or 2**20
-        row = token_layout(cfg, self.runner.dtype, cache_dtype).row_bytes
-        page = row * block_size * cfg.num_layers
-        most = max_num_seqs * -(-max_pos // block_size)
-        blocks = load.cache_blocks(num_blocks, cache_memory, page, self.runner.device, most)
         self.cache = PagedLatentCache(
             cfg,
             blocks,
@@ -82,8 +74,11 @@ class LLMEngine:
         )
         self.kv = KVManager(self.cache, enable_prefix_caching)
         self.max_model_len = min(max_pos, blocks * block_size)
+        # key buckets repeat shapes for captured graphs (CUDA); eager CPU steps attend over exactly the
+        # longest context (no masked work)
+        self.bucket = self.runner.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.eos_token_id = _eos(self.tokenizer, config)
+        self.eos_token_id = eos_of(self.tokenizer, config)
         self.generator = torch.Generator(self.runner.device).manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.finished_ids: OrderedDict[str, None] = OrderedDict()
@@ -91,6 +86,7 @@ class LLMEngine:
         self.waiting: list[Sequence] = []
         self._changed: dict[str, Request] = {}
         self._arrivals = 0
+        self._last_kind = "mixed"
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         # host seconds spent per part of the step (the benchmark reads them)
         self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
@@ -172,7 +168,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run at most one plan; returns the requests that changed (finished ones once, last)."""
         t0 = time.perf_counter()
-        sched = schedule(self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        kind = kind_of(self.running, self.waiting, self._last_kind)
+        args = (self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
+        sched = schedule(*args, kind)
+        if not sched.seqs and kind == "prefill" and not sched.preempted:
+            kind = "decode"  # no prompt work fits this step: the decode rows run
+            sched = schedule(*args, kind)
+        self._last_kind = kind
         self.timings["schedule"] += time.perf_counter() - t0
         self.num_preemptions += len(sched.preempted)
         for seq in sched.admitted:
@@ -197,13 +199,17 @@ class LLMEngine:
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
         t0 = time.perf_counter()
-        plan = self.cache.plan(sched.counts, [s.slot for s in sched.seqs], seq_len=width)
-        t1 = time.perf_counter()
-        try:
+        plan = t1 = None
+        try:  # a failing plan() undoes its own reservations; a failing forward discards the plan
+            plan = self.cache.plan(
+                sched.counts, [s.slot for s in sched.seqs], seq_len=width, bucket=self.bucket
+            )
+            t1 = time.perf_counter()
             packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
             logits = self.runner.forward(plan, ids, positions, packed, keep)
         except BaseException:
-            self.cache.discard(plan)
+            if plan is not None:
+                self.cache.discard(plan)
             for seq in reversed(sched.admitted):  # back to where they were: nothing lost, nothing leaked
                 self.kv.release(seq)
                 self.running.remove(seq)
@@ -272,7 +278,7 @@ class LLMEngine:
         out = []
         for rid, req in self._changed.items():
             done = req.finished
-            out.append(_output(req, done))
+            out.append(output_of(req, done))
             if done:
                 del self.requests[rid]
                 self.finished_ids[rid] = None
@@ -303,39 +309,18 @@ class LLMEngine:
         self.kv.blocks.check()
 
 
-def _output(req: Request, done: bool) -> RequestOutput:
-    outs = [
-        CompletionOutput(
-            s.index,
-            s.text,
-            list(s.output_ids),
-            s.finish_reason,
-            None if s.logprobs is None else list(s.logprobs),
-            s.stop_reason,
+def _cache_size(
+    cfg, config, dtype, device, cache_dtype, block_size, num_blocks, cache_memory, max_seqs
+) -> int:
+    """Pages of the cache (every refusal a ValueError naming its argument)."""
+    if cache_dtype == "fp8" and cfg.kv_lora_rank % FP8_GROUP:
+        raise ValueError(
+            f"cache_dtype='fp8' needs kv_lora_rank divisible by {FP8_GROUP} (one fp32 scale per {FP8_GROUP} "
+            f"latent values, FlashMLA's page format); this model's kv_lora_rank is {cfg.kv_lora_rank}: "
+            "use cache_dtype='int8' or None"
         )
-        for s in req.seqs
-    ]
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.num_cached_tokens, done)
-
-
-def _eos(tokenizer, config) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
-
-
-def _check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, prefix, seed) -> None:
-    if cache_dtype not in load.CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be None, 'fp8' or 'int8', got {cache_dtype!r}")
-    for name, v in (
-        ("block_size", block_size),
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if not isinstance(prefix, bool):
-        raise ValueError(f"enable_prefix_caching must be a boolean, got {prefix!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    max_pos = getattr(config, "max_position_embeddings", None) or 2**20
+    page = token_layout(cfg, dtype, cache_dtype).row_bytes * block_size * cfg.num_layers
+    return load.cache_blocks(
+        num_blocks, cache_memory, page, torch.device(device), max_seqs * -(-max_pos // block_size)
+    )

@@ -12,10 +12,40 @@ PROGRESS_EVERY = 5.0  # seconds
 
 
 class LLM:
-    """`LLM(model, **engine keywords)`; `generate(prompts, sampling_params)` runs them to the end."""
+    """`LLM(model, *, engine keywords)` (LLMEngine's, same names and defaults); `generate(prompts,
+    sampling_params)` runs them to the end. Every argument is checked before anything changes; a model
+    instance is then taken over (cast/moved, its attention modules replaced)."""
 
-    def __init__(self, model, **kwargs):
-        self.llm_engine = LLMEngine(model, **kwargs)
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        dtype=None,
+        device=None,
+        cache_dtype=None,
+        block_size: int = 64,
+        num_blocks=None,
+        cache_memory=None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ):
+        self.llm_engine = LLMEngine(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            cache_dtype=cache_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            cache_memory=cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
         self._counter = 0
 
     def get_tokenizer(self):

@@ -27,6 +27,55 @@ def resolve_dtype(dtype, device) -> torch.dtype | None:
     raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
 
 
+def check_device(device) -> torch.device | None:
+    """None, or a CPU / available CUDA device (a `torch.device` or its name); ValueError naming `device`."""
+    if device is None:
+        return None
+    want = "None, 'cpu', 'cuda' or 'cuda:N' (a torch.device or its name)"
+    if not isinstance(device, str | torch.device):
+        raise ValueError(f"device must be {want}, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be {want}, got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device must be {want}, got {device!r} (device type {dev.type!r} is not served)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build sees no CUDA device; use 'cpu' or None")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def check_tokenizer(tokenizer):
+    """None, a tokenizer object (`encode`/`decode`), or a path: a folder or a tokenizer.json (loaded from
+    local files only). ValueError naming `tokenizer` else."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str | os.PathLike):
+        path = os.fspath(tokenizer)
+        try:
+            if os.path.isfile(path):
+                from transformers import PreTrainedTokenizerFast
+
+                return PreTrainedTokenizerFast(tokenizer_file=path)
+            if os.path.isdir(path):
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any loader failure is a bad argument
+            raise ValueError(f"tokenizer {path!r} could not be loaded: {type(e).__name__}: {e}") from None
+        raise ValueError(f"tokenizer {path!r} is neither a tokenizer folder nor a tokenizer.json file")
+    if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+        raise ValueError(
+            "tokenizer must be None, a path (folder or tokenizer.json) or a tokenizer object with "
+            f"encode/decode, got {type(tokenizer).__name__}"
+        )
+    return tokenizer
+
+
 def native_16bit(device) -> torch.dtype:
     """bf16 where the device has native bf16 matmuls, else fp32."""
     return torch.bfloat16 if compute_dtype(torch.bfloat16, device) == torch.bfloat16 else torch.float32
@@ -101,12 +150,13 @@ def _load_folder(path: str, tokenizer, dtype, device):
 def cache_blocks(num_blocks, cache_memory, bytes_per_page: int, device, most: int) -> int:
     """Pages of the cache: `num_blocks`, else `cache_memory` bytes, else DEFAULT_SHARE of free memory
     (at most DEFAULT_CAP); never more than `most` (every slot at the longest context). Printed."""
+    budget = None if cache_memory is None else parse_bytes(cache_memory)  # checked even when unused
     if num_blocks is not None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         return num_blocks
     if cache_memory is not None:
-        budget, why = parse_bytes(cache_memory), "cache_memory"
+        why = "cache_memory"
     else:
         free = free_memory(torch.device(device))
         budget = min(int(free * DEFAULT_SHARE), DEFAULT_CAP)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# temperatures below this sample greedily (vLLM's epsilon): dividing logits by less overflows to NaN
+_SAMPLING_EPS = 1e-5
+# a request's generator seed (torch.Generator.manual_seed takes 64 bits; seed + i for its n completions)
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _int(name: str, value, low: int | None = None, none: bool = False):
@@ -16,14 +22,15 @@ def _int(name: str, value, low: int | None = None, none: bool = False):
 
 
 def _float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
 @dataclass
 class SamplingParams:
-    """How one request samples. `temperature == 0`: greedy. `top_k` 0 or -1: off. `seed`: the request's
+    """How one request samples. `temperature` below 1e-5 (0 included): greedy (vLLM's epsilon; a smaller
+    one would divide the logits into NaN). `top_k` 0 or -1: off. `seed`: the request's
     own generator (the same tokens whatever else is in the batch). `stop`: strings cut from the text;
     `stop_token_ids`: tokens that end it (kept in `token_ids`, not in `text`). `logprobs=k`: the chosen
     token's and the top-k log-probabilities of every generated token."""
@@ -54,6 +61,11 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         self.seed = _int("seed", self.seed, none=True)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - (self.n - 1):
+            raise ValueError(
+                f"seed must fit a 64-bit generator seed ({SEED_RANGE[0]}..{SEED_RANGE[1]} for seed + n - 1), "
+                f"got {self.seed}"
+            )
         self.stop = _stop_list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -66,7 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _SAMPLING_EPS
 
 
 def _stop_list(stop) -> list[str]:

@@ -44,6 +44,12 @@ class EngineAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         plan, pack = self.ctx.plan, self.ctx.pack
+        if plan is None:
+            raise RuntimeError(
+                "this model belongs to an mlakit.engine LLM/LLMEngine (its attention reads the engine's "
+                "paged cache): generate through the engine, or pass a copy (copy.deepcopy) to keep one "
+                "for transformers"
+            )
         width = hidden_states.shape[-1]
         flat = hidden_states.reshape(-1, width)  # [N, D]
         if pack is None:
