@@ -19,6 +19,20 @@ CFG = MLAConfig(
     qk_rope_head_dim=4,
     v_head_dim=6,
 )
+# the same widths with a DSA indexer (the sparse repros)
+DSA = MLAConfig(
+    hidden_size=32,
+    num_heads=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=4,
+    indexer_rope_interleave=False,
+)
 KINDS = ["contiguous", "paged"]
 SLOTS, MAX_LEN = 3, 32
 

@@ -8,25 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import randn
-from protocol_helpers import CFG, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
+from protocol_helpers import CFG, DSA, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
 
-from mlakit import LatentCache, MLAConfig
+from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache
 
 H = CFG.hidden_size
-DSA = MLAConfig(
-    hidden_size=32,
-    num_heads=2,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    index_n_heads=2,
-    index_head_dim=8,
-    index_topk=4,
-    indexer_rope_interleave=False,
-)
 
 
 @pytest.mark.parametrize("kind", KINDS)

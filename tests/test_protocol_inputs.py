@@ -8,7 +8,7 @@ import pytest
 import torch
 from dsa_helpers import hf_config
 from helpers import make_layer, randn
-from protocol_helpers import CFG
+from protocol_helpers import CFG, DSA
 
 from mlakit import LatentCache, MLAConfig
 from mlakit.cache.blocks import BlockManager
@@ -16,20 +16,6 @@ from mlakit.cache.paged import BLOCK_SENTINEL, PagedLatentCache
 from mlakit.cli import main
 from mlakit.ops import common
 from mlakit.ops.sparse import index_scores, index_topk, select_topk
-
-DSA = MLAConfig(
-    hidden_size=32,
-    num_heads=2,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    index_n_heads=2,
-    index_head_dim=8,
-    index_topk=4,
-    indexer_rope_interleave=False,
-)
 
 
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
