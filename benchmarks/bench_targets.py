@@ -1,4 +1,4 @@
-"""The issue's speed targets that compare mlakit with other implementations, side by side in one run.
+"""The speed targets that compare mlakit with other implementations, side by side in one run.
 
 At DeepSeek-V3 widths (default bf16), each after the bench's correctness gate:
   1. absorbed decode step (whole layer) at 16K cached, batch 1: >= 100x faster than transformers'
@@ -210,7 +210,7 @@ def target_memory(ctx: BenchContext, cached: int = 32768) -> dict:
 
 
 def target_core(ctx: BenchContext) -> dict:
-    """The core's forms at the issue's two cases (CPU time, --threads 1 for honest figures)."""
+    """The core's forms at the two target cases (CPU time, --threads 1 for honest figures)."""
     rates = cores.gemm_rates(3)
     rows = [cores.core_case(b, t, rates, 3, ctx.dtype) for b, t in ((1, 32768), (8, 8192))]
     for r in rows:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="deepseek-v3")
     p.add_argument("--threads", type=int)
     p.add_argument("--only", default="1,2,3,4,5", help="targets to run (default all)")
-    # 4096 is the issue's size; on a CPU its SDPA math fallback peaks near 19 GB (see target_prefill)
+    # 4096 is the target's size; on a CPU its SDPA math fallback peaks near 19 GB (see target_prefill)
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens of target 3 (default 2048)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

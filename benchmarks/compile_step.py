@@ -1,4 +1,4 @@
-"""A planned decode step, compiled vs eager, for every cache kind (issue 23, item 3), printed, never asserted.
+"""A planned decode step, compiled vs eager, for every cache kind, printed, never asserted.
 
 Tiny widths (hidden 64, 2 heads, latent 128: fp8's group, nope 8 / rope 4 / v 6), 4 layers, batch 4,
 one new token per row over `--context` cached tokens. The step is the stack of four planned layer calls

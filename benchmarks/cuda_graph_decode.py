@@ -1,4 +1,4 @@
-"""The planned decode step of an N-layer stack captured in one torch.cuda.CUDAGraph (issue 10).
+"""The planned decode step of an N-layer stack captured in one torch.cuda.CUDAGraph.
 
 Per step: plan on the host (outside the graph), copy the plan's tensors into the static ones the graph
 was captured with (`StepPlan.copy_from`), replay, `mark_replayed()` (the replay wrote every layer),

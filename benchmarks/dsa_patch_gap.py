@@ -1,4 +1,4 @@
-"""Patched vs unpatched tiny random DeepSeek-V3.2 models (issue 23, item 1), printed, never asserted:
+"""Patched vs unpatched tiny random DeepSeek-V3.2 models, printed, never asserted:
 the prefill-logit gap and whether greedy tokens agree, in fp32 and bf16, for indexers that tie
 (`--index-heads 1`: many keys score exactly 0.0 after the ReLU) or rarely tie (8 heads).
 

@@ -1,7 +1,7 @@
 """The engine on the demo model against transformers' generate(): output tokens/s, time to first token
 with a shared prefix, how many 4K-token sequences fit in 2 GiB, and the host's share of a step.
 
-    python benchmarks/engine_throughput.py            # the issue's sizes (64 requests, 512 +- 256, 128 out)
+    python benchmarks/engine_throughput.py            # full size (64 requests, 512 +- 256, 128 out)
     python benchmarks/engine_throughput.py --quick    # small sizes that finish in minutes on a CPU
 
 Prints the machine, the dtype (bf16 where the CPU has native bf16 matmuls, else fp32) and every figure;

@@ -5,7 +5,7 @@ Prints, per class, how many cases ran and how many failed, and the failure class
 the start of its message) with a count and one example each. A case passes when it ends in a
 ValueError (or, for the CLI, a clean exit with a message) or in a working result: a config that
 builds a layer and runs one tiny forward, a checkpoint that loads finite weights, an fp8 decode error
-within the band of docs/cache.md. The CLI class only reports (its fixes belong to issue 14).
+within the band of docs/cache.md. The CLI class only reports.
 
     PYTHONPATH=. python benchmarks/fuzz.py --cases 2000 --seed 0 [--only configs,cli] [--json out.json]
 """
@@ -306,7 +306,7 @@ def fuzz_fp8(rng: random.Random, n: int) -> Tally:
     return tally
 
 
-# ---------------------------------------------------------------- the step protocol (issue 19)
+# ---------------------------------------------------------------- the step protocol
 
 PROTOCOL_CALLS = ["plan", "commit", "discard", "write", "release", "copy_from", "append", "layer", "lengths"]
 

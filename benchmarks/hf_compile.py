@@ -8,7 +8,7 @@ the decode steps: the first compiled step's wall time is the compile time (dynam
 median of the later steps is the time per token. Each model runs in a fresh process with inductor's
 caches off, so that both pay the same one-time costs and neither reuses the other's graphs. A gate
 compares the first step's logits of both before printing.
-The target (issue 10): the patched compile within 1.5x of the unpatched one.
+The target: the patched compile within 1.5x of the unpatched one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Peak memory of a prefill chunk over a long cached prefix (issue: 512 new tokens over 64K cached,
+"""Peak memory of a prefill chunk over a long cached prefix (the target case: 512 new tokens over 64K cached,
 DeepSeek-V3 widths, bf16, must not raise peak memory by 2 GB; one shot would need ~5.4 GB of K/V).
 
 Each setting runs in a fresh subprocess: build the layer and a PagedLatentCache holding the prefix,

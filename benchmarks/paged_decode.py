@@ -5,7 +5,7 @@ cache; a gather of pages, plus dequantization for fp8/int8) and the absorb op on
 interleaved, repeat after repeat, so that the load of a shared machine hits them alike; the median,
 min and max are printed. Checks paged == contiguous before timing.
 
-    PYTHONPATH=$PWD python benchmarks/paged_decode.py                  # bf16, as the issue asks
+    PYTHONPATH=$PWD python benchmarks/paged_decode.py                  # bf16, the target's dtype
     PYTHONPATH=$PWD python benchmarks/paged_decode.py --dtype fp32 --repeats 9
 """
 

@@ -1,4 +1,4 @@
-"""Per-step bookkeeping before and after step plans (issue 10), printed, never asserted.
+"""Per-step bookkeeping before and after step plans, printed, never asserted.
 
 1. The tiny shape (decode, batch 4, 1 new token, hidden 64 / 2 heads / latent 16, 64 cached,
    mode absorb): aten ops and wall time per layer call, the one-layer call (plans, runs and commits
@@ -109,7 +109,7 @@ def tiny_rows(kind: str, reps: int) -> list[dict]:
         compiled = torch.compile(lambda x, p: layer(x, p), fullgraph=True)
         # a TorchDispatchMode cannot run around a compiled frame: wall time only
         rows.append(measure(kind, "planned, compiled", lambda: compiled(h, plan), reps, count=False))
-    with torch.enable_grad():  # how the issue's table was measured: autograd records the call
+    with torch.enable_grad():  # how the original table was measured: autograd records the call
         rows.append(measure(kind, "planned, grad mode", lambda: layer(h, plan), reps))
     return rows
 

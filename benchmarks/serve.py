@@ -5,7 +5,7 @@ offline at the same load, with and without a shared prefix, and `transformers se
     PYTHONPATH=. python benchmarks/serve.py                  # prompts 512, outputs 128, prefix 2,048
 
 Every server is a child process on a free loopback port, killed (by PID) at the end. Prints one table
-per server, the ratios against the issue's targets, and writes everything with the machine to --json.
+per server, the ratios against the targets, and writes everything with the machine to --json.
 """
 
 from __future__ import annotations

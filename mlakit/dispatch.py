@@ -24,8 +24,8 @@ def choose(
     """Absorb when fewer new tokens than the crossover at the (mean) cached length, else materialize.
 
     With a `profile` (mlakit.calibration.CrossoverProfile) that matches `cfg`, the crossover it
-    measured on this machine decides. Otherwise article 000's model (new and cached tokens
-    independent); with no crossover (2L <= nope+v at long context) absorb always wins.
+    measured on this machine decides. Otherwise the independent model of *Understanding MLA
+    Decoding* (new and cached tokens independent); with no crossover (2L <= nope+v at long context) absorb always wins.
     """
     context = cached if isinstance(cached, int) else round(sum(cached) / max(1, len(cached)))
     if profile is not None:

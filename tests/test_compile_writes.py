@@ -1,4 +1,4 @@
-"""The caches' writes under torch.compile (issue 23, item 3): whole rows by one `index_put_` into the
+"""The caches' writes under torch.compile: whole rows by one `index_put_` into the
 buffer itself (`put_fields`, `PagedLatentCache._put_rows`, `LatentCache.write`) instead of writes
 through layer, column or dtype views of it, which made inductor copy the whole buffer back at every
 layer. The compiled step must
@@ -68,7 +68,7 @@ def buffers(c) -> torch.Tensor:
 
 CASES = [
     *[pytest.param(q, "eager", id=f"{q or 'paged'}-eager") for q in ("contiguous", None, "fp8", "int8")],
-    # one inductor compile (~60 s cold on a 2-core CPU): the kernels the issue saw copying the pool
+    # one inductor compile (~60 s cold on a 2-core CPU): the kernels once seen copying the pool
     pytest.param("fp8", "inductor", id="fp8-inductor", marks=pytest.mark.slow),
 ]
 

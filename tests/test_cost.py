@@ -1,4 +1,5 @@
-"""mlakit.cost against numbers worked out by hand (articles 000 and 001), and its own invariants."""
+"""mlakit.cost against numbers worked out by hand (the articles *Understanding MLA Decoding* and
+*From MHA to MLA*), and its own invariants."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def widths(heads=1, latent=3, nope=2, rope=2, v=2, layers=1) -> MLAConfig:
     )
 
 
-# article 000's toy: one head, latent 3, nope 2, value 2, three cached tokens, one query.
+# the toy of *Understanding MLA Decoding*: one head, latent 3, nope 2, value 2, three cached tokens,
+# one query.
 # the toy has no rope; mlakit needs an even rope width >= 2, and rope terms are equal on both sides.
 TOY = widths()
 
@@ -84,7 +86,7 @@ def test_published_figures():
     assert_close("V3 limit", cost.crossover(V3, 4096).asymptotic, 512 * 256 / 768)
     assert round(cost.crossover(V3, 4096).asymptotic, 1) == 170.7
     assert round(cost.crossover(V3, 4096).exact, 1) == 163.8
-    # article 000 says about 228 for GLM; its own formula gives 512·448/576 ≈ 398.2
+    # *Understanding MLA Decoding* says about 228 for GLM; its own formula gives 512·448/576 ≈ 398.2
     assert round(cost.crossover(GLM5, 4096).asymptotic, 1) == 398.2
     assert round(cost.crossover(MLAConfig.preset("kimi-k2"), 4096).asymptotic, 1) == 170.7
 
@@ -188,7 +190,7 @@ def test_causal_counts_the_chunk():
     assert cost.materialize_macs(V3, 4, 10, "causal")["expand_k"] == 14 * 128 * 128 * 512
 
 
-# --- cache economics (article 001's figures)
+# --- cache economics (the figures of *From MHA to MLA*)
 
 
 def test_cache_values_and_bytes_v3():

@@ -1,4 +1,4 @@
-"""A patched DSA model selects exactly what transformers selects, ties included (issue 23, item 1).
+"""A patched DSA model selects exactly what transformers selects, ties included.
 
 Indexers small enough to tie: one index head, so a key whose dot product is negative scores exactly
 0.0 after the ReLU and many keys tie at the k-th place; `torch.topk` keeps some of them, and the

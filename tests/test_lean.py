@@ -23,7 +23,7 @@ CFG = MLAConfig(
     v_head_dim=5,
     rope_interleave=True,
 )
-# the tiny shape of benchmarks/plan_overhead.py (issue 10's table)
+# the tiny shape of benchmarks/plan_overhead.py
 TINY = MLAConfig(
     hidden_size=64,
     num_heads=2,

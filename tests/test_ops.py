@@ -1,4 +1,5 @@
-"""The attention ops: absorb == materialize == reference (fp32), lse, merge, and article 000's toy."""
+"""The attention ops: absorb == materialize == reference (fp32), lse, merge, and the toy of
+*Understanding MLA Decoding*."""
 
 from __future__ import annotations
 
@@ -240,7 +241,7 @@ def test_merge_rejects_bad_lists(outs, lses):
         merge(outs, lses)
 
 
-# ---------------------------------------------------------------- article 000, sections 3a and 3c
+# ------------------------------------------------ *Understanding MLA Decoding*, sections 3a and 3c
 
 # one head, latent 3, nope 2; the article writes K = c · W_K with W_K (3 × 2), so w_uk[0] = W_Kᵀ
 W_K = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
