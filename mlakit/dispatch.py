@@ -25,7 +25,8 @@ def choose(
 
     With a `profile` (mlakit.calibration.CrossoverProfile) that matches `cfg`, the crossover it
     measured on this machine decides. Otherwise the independent model of *Understanding MLA
-    Decoding* (new and cached tokens independent); with no crossover (2L <= nope+v at long context) absorb always wins.
+    Decoding* (new and cached tokens independent); with no crossover (2L <= nope+v at long context)
+    absorb always wins.
     """
     context = cached if isinstance(cached, int) else round(sum(cached) / max(1, len(cached)))
     if profile is not None:
