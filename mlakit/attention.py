@@ -700,9 +700,8 @@ def _width_mismatches(cache_cfg: MLAConfig, layer_cfg: MLAConfig) -> str:
 
 def _rope_mismatch(plan_key: tuple, layer_key: tuple) -> str:
     """Which part of two rope keys (inv_freq, factor) differs, in words."""
+    # (the widths agree here: `_check_cache` refused another qk_rope_head_dim first)
     (plan_freq, plan_factor), (layer_freq, layer_factor) = plan_key, layer_key
-    if len(plan_freq) != len(layer_freq):
-        return f"rope width (qk_rope_head_dim) {2 * len(plan_freq)}, layer {2 * len(layer_freq)}"
     if plan_freq != layer_freq:
         return "rope frequencies (rope_theta or rope_scaling) differ"
     return f"rope mscale factor {plan_factor}, layer {layer_factor} (rope_scaling)"

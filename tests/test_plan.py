@@ -334,3 +334,17 @@ def test_key_buckets_pad_at_most_an_eighth_past_1024_keys(multiple):
         sizes.add(size)
     # few shapes: a compiled or captured step sees a new one only every eighth of an octave
     assert len(sizes) < 120
+
+
+def test_a_layer_of_another_yarn_factor_is_refused_naming_the_factor():
+    def yarn(factor: float) -> MLAConfig:
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        return CFG.replace(rope_scaling={**scaling, "attention_factor": factor})
+
+    cache = LatentCache(yarn(1.25), 2, 16)
+    with torch.no_grad():
+        plan = cache.plan(1, [0])
+        owners = dict(plan.owners)
+        with pytest.raises(ValueError, match=r"rope mscale factor 1.25, layer 1.5 \(rope_scaling\)"):
+            make_layer(yarn(1.5), seed=30)(randn(1, 1, CFG.hidden_size, seed=8), plan)
+    assert plan.owners == owners
