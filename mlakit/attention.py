@@ -247,8 +247,6 @@ class MLAAttention(nn.Module):
     def run(self, hidden_states: torch.Tensor, plan: StepPlan, *, check_finite: bool = False) -> torch.Tensor:
         """One layer of a planned step: checks (host facts only), then `_compute`."""
         plan.check_open()
-        if plan.cache is not None and not torch.compiler.is_dynamo_compiling():
-            plan.claim(self.layer_idx, self)
         self._check_hidden(hidden_states)
         if tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
             raise ValueError(
@@ -257,9 +255,16 @@ class MLAAttention(nn.Module):
             )
         self._check_cache(plan.cache)
         if plan.rope_key != self.rope.key:
-            raise ValueError("the plan's rope tables differ from the layer's (another rope config)")
+            raise ValueError(
+                "plan's rope tables differ from the layer's: "
+                f"{_rope_mismatch(plan.rope_key, self.rope.key)}; make the plan from a cache of the "
+                "layer's config"
+            )
         if check_finite:
             _check_finite(hidden_states, plan.valid)
+        # claimed last: a refusal above leaves the plan's owners as they were
+        if plan.cache is not None and not torch.compiler.is_dynamo_compiling():
+            plan.claim(self.layer_idx, self)
         return self._compute(hidden_states, plan, self.layer_idx)
 
     def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int | None) -> torch.Tensor:
@@ -656,10 +661,11 @@ class MLAAttention(nn.Module):
             raise ValueError(
                 f"cache must be a LatentCache, a PagedLatentCache or a StepPlan, got {type(cache).__name__}"
             )
-        if cache.cfg.latent_dim != self.cfg.latent_dim or cache.cfg.kv_lora_rank != self.cfg.kv_lora_rank:
+        widths = _width_mismatches(cache.cfg, self.cfg)
+        if widths:
             raise ValueError(
-                f"cache holds latents of width {cache.cfg.kv_lora_rank}+{cache.cfg.qk_rope_head_dim}, "
-                f"layer produces {self.cfg.kv_lora_rank}+{self.cfg.qk_rope_head_dim}"
+                f"cache (or plan) was built for another config: {widths}; build the cache from the "
+                "layer's config"
             )
         if cache.dtype != self.dtype:
             raise ValueError(f"cache holds dtype {cache.dtype}, layer computes in {self.dtype}")
@@ -669,13 +675,36 @@ class MLAAttention(nn.Module):
             self.cfg.index_head_dim if self.cfg.is_sparse else None
         ):
             raise ValueError(
-                f"cache keeps indexer keys of width {cache.cfg.index_head_dim}, layer produces "
-                f"{self.cfg.index_head_dim} (None: no indexer); build the cache from the layer's config"
+                f"cache keeps indexer keys of width {cache.cfg.index_head_dim} (index_head_dim), layer "
+                f"produces {self.cfg.index_head_dim} (None: no indexer); build the cache from the layer's "
+                "config"
             )
         if self.layer_idx >= cache.num_layers:
             raise ValueError(
                 f"layer_idx {self.layer_idx} out of range: the cache holds {cache.num_layers} layers"
             )
+
+
+# the cached widths a layer and its cache must share: (field, what it is)
+CACHED_WIDTHS = (("kv_lora_rank", "latent width"), ("qk_rope_head_dim", "rope width"))
+
+
+def _width_mismatches(cache_cfg: MLAConfig, layer_cfg: MLAConfig) -> str:
+    """'' when the cached widths agree, else each mismatch as "<field> (<what>): cache <n>, layer <m>"."""
+    return ", ".join(
+        f"{field} ({what}): cache {getattr(cache_cfg, field)}, layer {getattr(layer_cfg, field)}"
+        for field, what in CACHED_WIDTHS
+        if getattr(cache_cfg, field) != getattr(layer_cfg, field)
+    )
+
+
+def _rope_mismatch(plan_key: tuple, layer_key: tuple) -> str:
+    """Which part of two rope keys (inv_freq, factor) differs, in words."""
+    # (the widths agree here: `_check_cache` refused another qk_rope_head_dim first)
+    (plan_freq, plan_factor), (layer_freq, layer_factor) = plan_key, layer_key
+    if plan_freq != layer_freq:
+        return "rope frequencies (rope_theta or rope_scaling) differ"
+    return f"rope mscale factor {plan_factor}, layer {layer_factor} (rope_scaling)"
 
 
 def _absorb_backend(choice: str, device: torch.device) -> str:

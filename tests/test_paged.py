@@ -321,6 +321,39 @@ def test_layer_out_of_blocks_leaves_the_cache_unchanged():
     assert paged.blocks.tables == before[2]
 
 
+@pytest.mark.parametrize("mode", ["absorb", "materialize"])
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_a_step_padded_past_one_rows_capacity_takes_the_rows_real_tokens(kind, mode):
+    # 12 tokens of room: 12 pages of 1 token, or 12 per slot
+    cfg = small_config()
+    layer = make_layer(cfg)
+
+    def make():
+        return poisoned(cfg, 12, 1, 2) if kind == "paged" else LatentCache(cfg, 2, 12)
+
+    cache, ref = make(), make()
+    h = randn(1, 28, cfg.hidden_size, seed=2)
+    h[0, 9:] = float("nan")  # padding: never read
+    with torch.no_grad():
+        out = layer(h, cache, new_tokens=[9], mode=mode)
+        want = layer(h[:, :9], ref, mode=mode)
+        assert_close("the padded step's real tokens", out[:, :9], want, 1e-6)
+        assert not out[:, 9:].any()
+        assert cache.lengths.tolist() == [9, 0]
+        # what a row writes is what is checked: 4 more tokens do not fit, whatever the padded width
+        before = [t.clone() for t in cache.buffers()]
+        with pytest.raises(ValueError, match=r"\[4\] tokens"):
+            layer(randn(1, 28, cfg.hidden_size, seed=3), cache, new_tokens=[4], mode=mode)
+        # a width no step can have (past the model's context and the cache's room) is still refused
+        with pytest.raises(ValueError, match=r"seq_len 4097 is wider than any step can be \(4096"):
+            cache.plan([1], [1], seq_len=cfg.max_position_embeddings + 1)
+    # as bytes: the padding's NaN rows compare equal to themselves
+    after = cache.buffers()
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before, strict=True)]
+    assert all(same), f"the refused step changed a buffer: {same}"
+    assert cache.lengths.tolist() == [9, 0]
+
+
 # absorb over pages read chunk by chunk
 
 

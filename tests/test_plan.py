@@ -186,6 +186,55 @@ def test_a_plan_serves_one_step(kind):
             layers[0](h, old, slots=[0])
 
 
+def refused_layer(case: str):
+    """(layer, hidden [2, 1, D]) that `layer(hidden, plan)` refuses, and what the refusal says."""
+    h = randn(2, 1, CFG.hidden_size, seed=8)
+    if case == "layer-range":
+        return MLAAttention(CFG, layer_idx=5), h, "layer_idx 5 out of range: the cache holds 2 layers"
+    if case == "rope-width":
+        layer = make_layer(CFG.replace(qk_rope_head_dim=8), seed=30)
+        return layer, h, r"qk_rope_head_dim \(rope width\): cache 4, layer 8"
+    if case == "latent-width":
+        layer = make_layer(CFG.replace(kv_lora_rank=64), seed=30)
+        return layer, h, r"kv_lora_rank \(latent width\): cache 128, layer 64"
+    if case == "rope-theta":
+        layer = make_layer(CFG.replace(rope_theta=500.0), seed=30)
+        return layer, h, r"rope frequencies \(rope_theta or rope_scaling\) differ"
+    # layer 1 of the stack, not yet run this step: a claim made before the refusal would keep it
+    layer = make_layer(CFG, seed=32)
+    layer.layer_idx = 1
+    if case == "seq-len":
+        return layer, randn(2, 3, CFG.hidden_size, seed=8), "the plan is for"
+    h[1, 0, 3] = float("nan")
+    return layer, h, "NaN or inf"
+
+
+REFUSALS = ["layer-range", "rope-width", "latent-width", "rope-theta", "seq-len", "nan"]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_refused_layer_leaves_the_plan_and_the_cache_as_they_were(kind, case):
+    layers = stack(2)
+    cache = make_cache(kind, layers=2)
+    h = randn(2, 1, CFG.hidden_size, seed=9)
+    with torch.no_grad():
+        plan = cache.plan(1, [0, 1])
+        layers[0](h, plan)
+        owners, buffers = dict(plan.owners), [t.clone() for t in cache.buffers()]
+        layer, bad, message = refused_layer(case)
+        with pytest.raises(ValueError, match=message):
+            layer(bad, plan, check_finite=case == "nan")
+        assert plan.owners == owners, f"the refusal claimed a layer: {owners} -> {plan.owners}"
+        assert all(torch.equal(a, b) for a, b in zip(cache.buffers(), buffers, strict=True))
+        # the refused module did not take layer 1: another module still may
+        twin = make_layer(CFG, seed=31)
+        twin.layer_idx = 1
+        twin(h, plan)
+        cache.commit(plan)
+    assert cache.lengths[:2].tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_layer_leaves_lengths_and_the_next_step_correct(kind, monkeypatch):
     layers = stack()
@@ -285,3 +334,17 @@ def test_key_buckets_pad_at_most_an_eighth_past_1024_keys(multiple):
         sizes.add(size)
     # few shapes: a compiled or captured step sees a new one only every eighth of an octave
     assert len(sizes) < 120
+
+
+def test_a_layer_of_another_yarn_factor_is_refused_naming_the_factor():
+    def yarn(factor: float) -> MLAConfig:
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        return CFG.replace(rope_scaling={**scaling, "attention_factor": factor})
+
+    cache = LatentCache(yarn(1.25), 2, 16)
+    with torch.no_grad():
+        plan = cache.plan(1, [0])
+        owners = dict(plan.owners)
+        with pytest.raises(ValueError, match=r"rope mscale factor 1.25, layer 1.5 \(rope_scaling\)"):
+            make_layer(yarn(1.5), seed=30)(randn(1, 1, CFG.hidden_size, seed=8), plan)
+    assert plan.owners == owners

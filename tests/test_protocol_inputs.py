@@ -64,6 +64,38 @@ def test_a_nan_in_a_dsa_slot_makes_its_outputs_nan_from_then_on_and_nowhere_else
     assert torch.isfinite(prefill[1]).all() and all(torch.isfinite(o[1]).all() for o in outs)
 
 
+# latent 128: fp8 pages need whole groups of 128 latent values
+POISON_CFGS = {"dense": CFG.replace(kv_lora_rank=128), "dsa": DSA.replace(kv_lora_rank=128)}
+
+
+@pytest.mark.parametrize("mode", ["absorb", "materialize"])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8"], ids=["unquantized", "fp8", "int8"])
+@pytest.mark.parametrize("family", ["dense", "dsa"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_hidden_poisons_its_slot_over_every_page_format(value, family, quant, mode):
+    cfg = POISON_CFGS[family]
+    layer = make_layer(cfg, seed=4)
+    caches = [PagedLatentCache(cfg, 16, 4, max_batch=2, quant=quant) for _ in range(2)]
+    x = randn(2, 27, cfg.hidden_size, seed=5)
+    poisoned = x.clone()
+    poisoned[0, 2, 3] = float(value)
+    runs = []
+    with torch.no_grad():
+        for cache, h in zip(caches, (poisoned, x), strict=True):
+            outs = [layer(h[:, :24], cache, mode=mode)]
+            outs += [layer(h[:, t : t + 1], cache, mode=mode) for t in (24, 25, 26)]
+            runs.append(outs)
+    assert layer.last_mode.startswith("sparse") == (family == "dsa")
+    got, clean = runs
+    # the poisoned slot: non-finite from the poisoned token on, in the prefill and every decode step
+    assert not torch.isfinite(got[0][0, 2:]).any()
+    assert all(not torch.isfinite(o[0]).any() for o in got[1:]), (
+        "a decode step of the poisoned slot is finite"
+    )
+    # the other slot: bit for bit what it is beside a clean slot
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(got, clean, strict=True))
+
+
 def test_select_topk_ranks_nan_first():
     scores = torch.tensor([[[0.5, float("nan"), 2.0, -float("inf"), 1.0]]])
     assert select_topk(scores, 2).tolist() == [[[1, 2]]]

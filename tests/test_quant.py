@@ -62,6 +62,26 @@ def test_zero_and_huge_tokens_stay_finite(quant):
     assert back[1, 7] == pytest.approx(3e4, rel=2**-4)
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2-scale"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_a_non_finite_value_gives_its_group_a_nan_scale_and_nothing_else(quant, value, pow2):
+    x = randn(3, 256, seed=4)
+    x[1, 130] = float(value)
+    values, scale = quantize(x, quant, pow2=pow2)
+    back = dequantize(values, scale, torch.float32)
+    # int8 has no NaN: the scale carries the poisoning, the values are 0 (never the cast's undefined bytes)
+    poisoned = slice(128, 256) if quant == "fp8" else slice(0, 256)
+    assert torch.isnan(back[1, poisoned]).all() and torch.isnan(scale[1, -1])
+    assert torch.isfinite(back[[0, 2]]).all() and torch.isfinite(back[1, : poisoned.start]).all()
+    if quant == "int8":
+        assert not values[1].any()
+    clean = quantize(x[[0, 2]], quant, pow2=pow2)
+    assert torch.equal(scale[[0, 2]], clean[1]) and torch.equal(
+        values[[0, 2]].view(torch.uint8), clean[0].view(torch.uint8)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
 def test_rope_key_is_stored_exactly(quant, dtype):

@@ -131,21 +131,26 @@ def quantize(
     latent: torch.Tensor, quant: str, groups: int | None = None, pow2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [N, L] → (values [N, L] in fp8 or int8, fp32 scales [N, L/128] or [N, 1]; [N, groups]
-    when given). `pow2`: scales rounded up to a power of two (DeepSeek's fp8 indexer keys)."""
+    when given). `pow2`: scales rounded up to a power of two (DeepSeek's fp8 indexer keys). A group
+    with a non-finite value gets a NaN scale, so that it dequantizes to NaN: poisoning stays detectable."""
     x = latent.float()
     n, width = x.shape
     if groups is None:
         groups = width // FP8_GROUP if quant == "fp8" else 1
     x = x.view(n, groups, width // groups)
     top = FP8_MAX if quant == "fp8" else INT8_MAX
-    scale = x.abs().amax(dim=-1) / top  # [N, G]
+    # a group holding NaN or ±inf gets a NaN scale: dequantized, the whole group is NaN (int8 has no NaN)
+    amax = x.abs().amax(dim=-1)  # [N, G]
+    scale = torch.where(torch.isfinite(amax), amax / top, torch.full_like(amax, float("nan")))
     # an all-zero group keeps scale 1 so that dequantizing never divides 0 by 0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     y = (x / scale[..., None]).clamp_(-top, top)
-    values = y.to(torch.float8_e4m3fn) if quant == "fp8" else y.round_().to(torch.int8)
-    return values.view(n, width), scale
+    if quant == "fp8":
+        return y.to(torch.float8_e4m3fn).view(n, width), scale
+    # NaN has no int8 value (the cast is undefined): 0, the scale keeps the poisoning
+    return y.nan_to_num_(0.0).round_().to(torch.int8).view(n, width), scale
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -61,11 +61,16 @@ class StepCache(StepBook):
             raise ValueError(f"new_tokens {counts} outside 1..{width} (the padded width seq_len)")
         lengths = self._checked_lengths()
         slot_ids = self.resolve_slots(slots, rows)
+        # what each row writes is checked (its count); padding goes to a spare row, so the padded width
+        # is only refused past any row a step could bring (a typo: host lists of seq_len per row)
         self.check_append(counts[0] if uniform else torch.tensor(counts), slot_ids)
-        if width > self.step_capacity:
+        widest = max(self.cfg.max_position_embeddings, self.step_capacity)
+        if width > widest:
             raise ValueError(
-                f"seq_len {width} is more tokens than one row of this cache can take "
-                f"({self.step_capacity}); expected the padded width of the step's hidden states"
+                f"seq_len {width} is wider than any step can be ({widest}: the larger of the model's "
+                f"max_position_embeddings {self.cfg.max_position_embeddings} and the {self.step_capacity} "
+                "tokens one row of this cache can take); expected the padded width of the step's hidden "
+                "states"
             )
         # the path of each row: the last thing that can fail (a profile's `decide` may raise anything),
         # decided before any change
