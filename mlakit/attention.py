@@ -661,7 +661,7 @@ class MLAAttention(nn.Module):
             raise ValueError(
                 f"cache must be a LatentCache, a PagedLatentCache or a StepPlan, got {type(cache).__name__}"
             )
-        widths = _width_mismatches(cache.cfg, self.cfg)
+        widths = width_mismatches(cache.cfg, self.cfg)
         if widths:
             raise ValueError(
                 f"cache (or plan) was built for another config: {widths}; build the cache from the "
@@ -689,7 +689,7 @@ class MLAAttention(nn.Module):
 CACHED_WIDTHS = (("kv_lora_rank", "latent width"), ("qk_rope_head_dim", "rope width"))
 
 
-def _width_mismatches(cache_cfg: MLAConfig, layer_cfg: MLAConfig) -> str:
+def width_mismatches(cache_cfg: MLAConfig, layer_cfg: MLAConfig) -> str:
     """'' when the cached widths agree, else each mismatch as "<field> (<what>): cache <n>, layer <m>"."""
     return ", ".join(
         f"{field} ({what}): cache {getattr(cache_cfg, field)}, layer {getattr(layer_cfg, field)}"

@@ -350,3 +350,21 @@ def test_shard_state_dict_slices_and_rejects():
 def test_needs_an_initialized_group():
     with pytest.raises(RuntimeError, match="not initialized"):
         ContextParallelMLA(seeded_layer(TINY))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("kv_lora_rank", 16), ("qk_rope_head_dim", 8)], ids=["latent", "rope"]
+)
+def test_context_parallel_cache_of_another_width_is_refused_naming_it(field, value):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cp = ContextParallelMLA(seeded_layer(TINY))
+        other = ContextParallelMLA(seeded_layer(TINY.replace(**{field: value}))).new_cache(1, 8)
+        before = other.lengths.clone()
+        with pytest.raises(ValueError, match=rf"{field} \(\w+ width\): cache {value}, layer"):
+            cp(torch.randn(1, 2, TINY.hidden_size), other)
+        assert torch.equal(other.lengths, before)
+    finally:
+        dist.destroy_process_group()

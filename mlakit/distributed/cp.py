@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mlakit.attention import MLAAttention
+from mlakit.attention import MLAAttention, width_mismatches
 from mlakit.cache.contiguous import LatentCache, Slots
 from mlakit.config import MLAConfig
 from mlakit.distributed import fingerprint as fp
@@ -194,11 +194,9 @@ class ContextParallelMLA(nn.Module):
         if cache.placement != self.placement:
             raise ValueError(f"cache is placed as {cache.placement}, layer runs as {self.placement}")
         cfg = self.layer.cfg
-        if (cache.cfg.kv_lora_rank, cache.cfg.qk_rope_head_dim) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
-            raise ValueError(
-                f"cache holds latents of width {cache.cfg.kv_lora_rank}+{cache.cfg.qk_rope_head_dim}, "
-                f"layer produces {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}"
-            )
+        differ = width_mismatches(cache.cfg, cfg)
+        if differ:
+            raise ValueError(f"cache was built for another config: {differ}")
         if (cache.dtype, cache.device) != (self.layer.dtype, self.layer.device):
             raise ValueError(
                 f"cache holds {cache.dtype} on {cache.device}, layer computes {self.layer.dtype} "
