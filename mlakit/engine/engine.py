@@ -189,14 +189,16 @@ class LLMEngine:
 
     def _run(self, sched) -> None:
         width = sched.width
-        ids, positions, pack, keep, sampling, scored = [], [], [], [], [], []
+        ids, positions, pack, keep, sampling, scored, done = [], [], [], [], [], [], []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.counts, strict=True)):
             start = seq.computed
             scored += [(seq.request, p, len(ids) + p - start) for p in _scored_positions(seq, n)]
             ids += seq.tokens[start : start + n]
             positions += range(start, start + n)
             pack += range(row * width, row * width + n)
-            if start + n == len(seq.tokens):
+            if start + n == len(seq.tokens) and seq.request.params.max_tokens == 0:
+                done.append(seq)  # prompt_logprobs with max_tokens=0: scored, nothing to sample
+            elif start + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
         # rows [0, len(sampling)) sample; the rest score prompt tokens, in the same forward
@@ -220,18 +222,17 @@ class LLMEngine:
                 self.waiting.insert(0, seq)
             raise
         self.cache.commit(plan)
+        # the lm_head (the runner applies it to the kept rows) is model time
+        logits = self.runner.logits(hidden[: len(sampling)]) if sampling else None
+        if scored:
+            self._score(scored, hidden[len(sampling) :])
         t2 = time.perf_counter()
         for seq, n in zip(sched.seqs, sched.counts, strict=True):
             seq.computed += n
             self.kv.register(seq)
-        if scored:
-            self._score(scored, hidden[len(sampling) :])
-        scoring_only = [s for s in sampling if s.request.params.max_tokens == 0]
-        for seq in scoring_only:  # max_tokens=0 with prompt_logprobs: the prompt is scored, nothing sampled
+        for seq in done:
             self._finish_request(seq.request, "length")
-        sampling = [s for s in sampling if s.request.params.max_tokens > 0]
         if sampling:
-            logits = self.runner.logits(hidden[: len(sampling)])
             params = [s.request.params for s in sampling]
             tokens, lps = sample(logits, params, [s.generator for s in sampling], self.generator)
             for seq, token, lp in zip(sampling, tokens, lps, strict=True):
