@@ -158,12 +158,12 @@ BAD = [
     ("stream-type", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stream-options", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("penalty", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("echo", {"prompt": "a", "echo": True}, 400, "echo"),
     ("best-of", {"prompt": "a", "best_of": 3}, 400, "best_of"),
 ]
 BAD_CHAT = [
     ("no-messages", {"model": "fake"}, 400, "messages"),
     ("empty-messages", {"messages": []}, 400, "messages"),
+    ("chat-echo", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
     ("bad-role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
     ("content-type", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("top-logprobs-alone", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,

@@ -108,6 +108,8 @@ class LLMEngine:
                 "sequence (max_model_len), prompt and output together"
             )
         req = Request(request_id, text, ids, params, self._arrivals)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         self._arrivals += 1
         for i in range(params.n):
             seq = Sequence(req, i, list(ids), len(ids), status=WAITING if i == 0 else PENDING)
@@ -119,10 +121,8 @@ class LLMEngine:
                 seq.logprobs = []
             req.seqs.append(seq)
         self.requests[request_id] = req
-        if params.max_tokens == 0:
-            for seq in req.seqs:
-                self._finish(seq, "length")
-            self._changed[request_id] = req
+        if params.max_tokens == 0 and not req.scoring:
+            self._finish_request(req, "length")
         else:
             self.waiting.append(req.seqs[0])
 
@@ -189,15 +189,20 @@ class LLMEngine:
 
     def _run(self, sched) -> None:
         width = sched.width
-        ids, positions, pack, keep, sampling = [], [], [], [], []
+        ids, positions, pack, keep, sampling, scored, done = [], [], [], [], [], [], []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.counts, strict=True)):
             start = seq.computed
+            scored += [(seq.request, p, len(ids) + p - start) for p in _scored_positions(seq, n)]
             ids += seq.tokens[start : start + n]
             positions += range(start, start + n)
             pack += range(row * width, row * width + n)
-            if start + n == len(seq.tokens):
+            if start + n == len(seq.tokens) and seq.request.params.max_tokens == 0:
+                done.append(seq)  # prompt_logprobs with max_tokens=0: scored, nothing to sample
+            elif start + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
                 sampling.append(seq)
+        # rows [0, len(sampling)) sample; the rest score prompt tokens, in the same forward
+        keep += [i for _, _, i in scored]
         t0 = time.perf_counter()
         plan = t1 = None
         try:  # a failing plan() undoes its own reservations; a failing forward discards the plan
@@ -206,7 +211,7 @@ class LLMEngine:
             )
             t1 = time.perf_counter()
             packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
-            logits = self.runner.forward(plan, ids, positions, packed, keep)
+            hidden = self.runner.forward(plan, ids, positions, packed, keep)
         except BaseException:
             if plan is not None:
                 self.cache.discard(plan)
@@ -217,10 +222,16 @@ class LLMEngine:
                 self.waiting.insert(0, seq)
             raise
         self.cache.commit(plan)
+        # the lm_head (the runner applies it to the kept rows) is model time
+        logits = self.runner.logits(hidden[: len(sampling)]) if sampling else None
+        if scored:
+            self._score(scored, hidden[len(sampling) :])
         t2 = time.perf_counter()
         for seq, n in zip(sched.seqs, sched.counts, strict=True):
             seq.computed += n
             self.kv.register(seq)
+        for seq in done:
+            self._finish_request(seq.request, "length")
         if sampling:
             params = [s.request.params for s in sampling]
             tokens, lps = sample(logits, params, [s.generator for s in sampling], self.generator)
@@ -230,6 +241,19 @@ class LLMEngine:
         for name, dt in (("plan", t1 - t0), ("model", t2 - t1), ("sample", t3 - t2)):
             self.timings[name] += dt
         self.timings["steps"] += 1
+
+    def _score(self, scored: list, hidden) -> None:
+        """Fill the prompt log-probabilities of the rows scored this step: position p's logits give
+        prompt token p + 1's entry (the actual token's log-probability and the top-k)."""
+        targets = [req.prompt_ids[p + 1] for req, p, _ in scored]
+        k = max(req.params.prompt_logprobs for req, _, _ in scored)
+        chosen, values, indices = self.runner.token_logprobs(hidden, targets, k)
+        for j, (req, p, _) in enumerate(scored):
+            entry = {targets[j]: chosen[j]}
+            want = req.params.prompt_logprobs
+            for t, v in zip(indices[j][:want], values[j][:want], strict=True):
+                entry.setdefault(t, v)
+            req.prompt_logprobs[p + 1] = entry
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
         req, params = seq.request, seq.request.params
@@ -262,6 +286,12 @@ class LLMEngine:
             self.kv.fork(parent, s)
             s.status = WAITING
             self.waiting.insert(0, s)
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, reason)
+        self._changed[req.request_id] = req
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.kv.release(seq)
@@ -307,6 +337,15 @@ class LLMEngine:
         seqs = [s for r in self.requests.values() for s in r.seqs]
         self.kv.check(seqs)
         self.kv.blocks.check()
+
+
+def _scored_positions(seq: Sequence, n: int) -> range:
+    """Positions of this chunk of `seq` whose logits score a prompt token (the next one): the first
+    completion of a request still scoring, up to the second-to-last prompt token (the last one samples)."""
+    req = seq.request
+    if seq.index != 0 or not req.scoring:
+        return range(0)
+    return range(seq.computed, min(seq.computed + n, seq.prompt_len - 1))
 
 
 def _cache_size(

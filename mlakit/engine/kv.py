@@ -45,10 +45,12 @@ class KVManager:
 
     def probe(self, seq: Sequence) -> tuple[list[int], int]:
         """(pages a waiting `seq` can start on, how many of them are free now: holding them takes them
-        off the free list). At least its last token is always left to compute (it gives the logits)."""
+        off the free list). At least its last token is always left to compute (it gives the logits).
+        A request still scoring its prompt (prompt_logprobs) reads no prefix: every position's logits
+        are needed (vLLM's rule)."""
         limit = (len(seq.tokens) - 1) // self.block_size
         pages = list(seq.shared[:limit])
-        if self.prefix_caching:
+        if self.prefix_caching and not seq.request.scoring:
             self._hash(seq, limit)
             found = self.pool.lookup(seq.hashes[:limit])
             if len(found) > len(pages):

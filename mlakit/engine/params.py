@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 # temperatures below this sample greedily (vLLM's epsilon): dividing logits by less overflows to NaN
 _SAMPLING_EPS = 1e-5
+# vLLM's default max_logprobs: the most top alternatives per token (the actual token comes on top)
+MAX_PROMPT_LOGPROBS = 20
 # a request's generator seed (torch.Generator.manual_seed takes 64 bits; seed + i for its n completions)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -33,7 +35,9 @@ class SamplingParams:
     one would divide the logits into NaN). `top_k` 0 or -1: off. `seed`: the request's
     own generator (the same tokens whatever else is in the batch). `stop`: strings cut from the text;
     `stop_token_ids`: tokens that end it (kept in `token_ids`, not in `text`). `logprobs=k`: the chosen
-    token's and the top-k log-probabilities of every generated token."""
+    token's and the top-k log-probabilities of every generated token. `prompt_logprobs=k` (0 to 20): the
+    same for every prompt token but the first (`RequestOutput.prompt_logprobs`; 0: the actual token only);
+    with `max_tokens=0` the prompt is scored and nothing generated."""
 
     n: int = 1
     max_tokens: int = 16
@@ -46,6 +50,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1)
@@ -75,6 +80,12 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         self.logprobs = _int("logprobs", self.logprobs, 0, none=True)
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, none=True)
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_PROMPT_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be at most {MAX_PROMPT_LOGPROBS} (vLLM's max_logprobs), "
+                f"got {self.prompt_logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -110,7 +121,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request as it stands after a step; `num_cached_tokens`: prompt tokens read from the prefix cache
-    (whole pages)."""
+    (whole pages); `prompt_logprobs` (when asked): one entry per prompt token, the first None, each a
+    dict token id -> log-probability of the actual token and the top-k (vLLM's shape)."""
 
     request_id: str
     prompt: str | None
@@ -118,3 +130,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None

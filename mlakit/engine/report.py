@@ -35,7 +35,10 @@ def output_of(req: Request, done: bool) -> RequestOutput:
         )
         for s in req.seqs
     ]
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.num_cached_tokens, done)
+    lps = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+    return RequestOutput(
+        req.request_id, req.prompt, list(req.prompt_ids), outs, req.num_cached_tokens, done, lps
+    )
 
 
 def eos_of(tokenizer, config) -> int | None:

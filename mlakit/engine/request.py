@@ -52,6 +52,14 @@ class Request:
     pending: list[Sequence] = field(default_factory=list)  # siblings waiting for the prompt to be computed
     num_cached_tokens: int = 0
     reported_finished: bool = False
+    # params.prompt_logprobs: one entry per prompt token (the first None), filled as prefill goes
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt log-probabilities asked for and not all computed yet."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) > 1 and lps[-1] is None
 
     @property
     def finished(self) -> bool:

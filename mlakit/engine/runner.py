@@ -4,7 +4,9 @@ The model runs its own transformers forward (embeddings, norms, MLP/MoE, lm_head
 scales), its attention modules replaced by `EngineAttention`: mlakit `MLAAttention` layers sharing the
 original weights, all reading one `StepPlan` over one `PagedLatentCache`. The decoder layers see the
 step's tokens packed ([1, N, D]: no padding in the MLP); each attention scatters them into the plan's
-rectangle [B, S, D], runs `layer(h, plan)` and gathers them back.
+rectangle [B, S, D], runs `layer(h, plan)` and gathers them back. The forward hands back the final
+hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
+head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from torch import nn
 
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
+
+# rows of logits materialized at a time for prompt log-probabilities: 256 x 129,280 (DeepSeek-V3's
+# vocabulary) fp32 is 132 MB, where a 2,048-token chunk at once would be 1.06 GB
+LOGPROB_ROWS = 256
 
 # attention classes the engine serves (transformers' names); every other MLA family is refused by name
 ENGINE_ATTENTION = (
@@ -88,11 +94,15 @@ def check_family(model: nn.Module) -> tuple[MLAConfig, list[nn.Module]]:
 
 
 class ModelRunner:
-    """Runs one planned step of `model` and returns the logits of the rows that sample."""
+    """Runs one planned step of `model`; hidden states of the kept rows -> logits, log-probabilities."""
 
     def __init__(self, model: nn.Module):
         self.model = model.eval()
         self.cfg, layers = check_family(model)
+        self.head = getattr(model, "lm_head", None)
+        if not isinstance(self.head, nn.Module):
+            raise ValueError(f"model {type(model).__name__} has no lm_head module; expected a causal LM")
+        self._through = nn.Identity()
         self.ctx = StepContext()
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -110,10 +120,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan, ids: list[int], positions: list[int], pack: list[int] | None, keep: list[int]):
-        """Logits [len(keep), V] (fp32) of the packed tokens at `keep` after one step of the plan."""
+        """Hidden states [len(keep), D] (model dtype) of the packed tokens at `keep` after one step of the
+        plan: what the lm_head would read (the model's final norm and its family's scale applied)."""
         dev = self.device
         self.ctx.plan = plan
         self.ctx.pack = None if pack is None else torch.tensor(pack, dtype=torch.long, device=dev)
+        # every served family's last op is `lm_head(hidden[:, keep])`: skipped here, applied by `logits`
+        self.model.lm_head = self._through
         try:
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
@@ -124,5 +137,28 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             )
         finally:
+            self.model.lm_head = self.head
             self.ctx.plan = self.ctx.pack = None
-        return out.logits[0].float()
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, D] -> [M, V] fp32."""
+        return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def token_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int):
+        """Log-probabilities of `targets` under each row's distribution, and each row's top-k: lists of
+        R floats, R lists of k floats, R lists of k ids, computed LOGPROB_ROWS rows at a time."""
+        chosen, values, indices = [], [], []
+        target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        for lo in range(0, hidden.shape[0], LOGPROB_ROWS):
+            lp = self.logits(hidden[lo : lo + LOGPROB_ROWS]).log_softmax(-1)  # [r, V]
+            chosen += lp.gather(1, target[lo : lo + LOGPROB_ROWS, None])[:, 0].tolist()
+            if k:
+                top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                values += top.values.tolist()
+                indices += top.indices.tolist()
+        if not k:
+            values = indices = [[] for _ in targets]
+        return chosen, values, indices

@@ -21,6 +21,11 @@ class Job:
         self.adapter = state.adapter
         self.n = req.sampling["n"]
         self.prompt_ids = [self._tokenize(p) for p in req.prompts]
+        # echo: each choice starts with its prompt (a token-id prompt decoded, as vLLM)
+        self.echo_texts = None
+        if req.echo:
+            self.echo_texts = [p if isinstance(p, str) else self.adapter.decode(p) for p in req.prompts]
+        self.prompt_logprobs: dict[str, list] = {}
         params = self._params(state.adapter.max_model_len)
         base = uuid.uuid4().hex
         self.requests = [(f"{base}-{i}", ids, params) for i, ids in enumerate(self.prompt_ids)]
@@ -58,7 +63,11 @@ class Job:
             )
         try:
             logprobs = self.req.logprobs
-            return self.adapter.make_params(**self.req.sampling, max_tokens=max_tokens, logprobs=logprobs)
+            # echo with logprobs: the prompt's too (vLLM's prompt_logprobs=logprobs)
+            scored = {"prompt_logprobs": logprobs} if self.req.echo and logprobs is not None else {}
+            return self.adapter.make_params(
+                **self.req.sampling, max_tokens=max_tokens, logprobs=logprobs, **scored
+            )
         except ValueError as err:
             refusal = engine_refusal(err)
             if refusal.param == "max_tokens":
@@ -76,6 +85,17 @@ class Job:
     def choice(self, rid: str, index: int) -> int:
         return self.index_of[rid] * self.n + index
 
+    def note(self, update) -> None:
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs[update.request_id] = update.prompt_logprobs
+
+    def echoed(self, rid: str, text: str, ids: list, logprobs) -> tuple[str, list, list]:
+        """A choice's text, token ids and logprob entries with its prompt in front (the first entry None)."""
+        i = self.index_of[rid]
+        prompt = self.prompt_ids[i]
+        entries = self.prompt_logprobs.get(rid) or [None] * len(prompt)
+        return self.echo_texts[i] + text, prompt + list(ids), list(entries) + list(logprobs or [])
+
 
 async def collect(state, job: Job, gone) -> dict:
     """The whole answer; the client leaving aborts the requests (`gone` returns)."""
@@ -86,6 +106,7 @@ async def collect(state, job: Job, gone) -> dict:
         if update.error is not None:
             raise update.error
         cached[update.request_id] = update.cached_tokens
+        job.note(update)
         for d in update.deltas:
             c = choices[job.choice(update.request_id, d.index)]
             c.text += d.text
@@ -94,6 +115,11 @@ async def collect(state, job: Job, gone) -> dict:
             c.finish_reason = d.finish_reason or c.finish_reason
             usage.completion += len(d.token_ids)
     usage.cached = sum(cached.values())
+    if job.echo_texts is not None:
+        for rid in job.index_of:
+            for j in range(job.n):
+                c = choices[job.choice(rid, j)]
+                c.text, c.token_ids, c.logprobs = job.echoed(rid, c.text, c.token_ids, c.logprobs)
     return job.shaper.response(choices, usage)
 
 
@@ -105,7 +131,7 @@ async def stream(state, job: Job, gone):
         for i in range(total):
             yield _event(shaper.chunk(i, "", [], None, None, 0, role=True))
     usage = Usage(prompt=sum(len(ids) for ids in job.prompt_ids))
-    offsets, cached = [0] * total, {}
+    offsets, cached, sent = [0] * total, {}, [False] * total
     updates = state.loop.generate(job.requests, gone)
     try:
         async for update in updates:
@@ -113,10 +139,15 @@ async def stream(state, job: Job, gone):
                 yield _event(update.error.body())
                 break
             cached[update.request_id] = update.cached_tokens
+            job.note(update)
             for d in update.deltas:
                 i = job.choice(update.request_id, d.index)
-                yield _event(shaper.chunk(i, d.text, d.token_ids, d.logprobs, d.finish_reason, offsets[i]))
-                offsets[i] += len(d.text)
+                text, ids, lps = d.text, d.token_ids, d.logprobs
+                if job.echo_texts is not None and not sent[i]:
+                    text, ids, lps = job.echoed(update.request_id, text, ids, lps)  # the first chunk
+                sent[i] = True
+                yield _event(shaper.chunk(i, text, ids, lps, d.finish_reason, offsets[i]))
+                offsets[i] += len(text)
                 usage.completion += len(d.token_ids)
         else:
             if job.req.include_usage:

@@ -32,6 +32,7 @@ class Update:
     cached_tokens: int = 0
     finished: bool = False
     error: APIError | None = None
+    prompt_logprobs: list | None = None  # the engine's RequestOutput.prompt_logprobs, when asked for
 
 
 class EngineLoop:
@@ -162,6 +163,7 @@ class EngineLoop:
             update = Update(out.request_id, track.advance(out, now), len(out.prompt_token_ids or ()))
             update.cached_tokens = int(out.num_cached_tokens or 0)
             update.finished = bool(out.finished)
+            update.prompt_logprobs = getattr(out, "prompt_logprobs", None)
             if update.finished:
                 del self._tracks[out.request_id]
             batches[track.loop].append((track.inbox, update))

@@ -39,12 +39,15 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # how many top alternatives per token (chat: top_logprobs)
+    echo: bool = False  # completions: the prompt comes first in each choice (and its logprobs)
 
 
 def parse(body, chat: bool) -> GenerateRequest:
     if not isinstance(body, dict):
         raise bad_request(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    fields.unsupported(body, _UNSUPPORTED)
+    # completions echo the prompt; chat keeps refusing `echo`
+    fields.unsupported(body, {k: v for k, v in _UNSUPPORTED.items() if chat or k != "echo"})
+    echo = False if chat else fields.boolean(body, "echo")
     best_of = fields.integer(body, "best_of", 1)
     n = fields.integer(body, "n", 1, fields.MAX_N, default=1)
     if best_of is not None and best_of != n:
@@ -54,13 +57,23 @@ def parse(body, chat: bool) -> GenerateRequest:
         chat=chat,
         model=fields.string(body, "model"),
         prompts=[_messages(body)] if chat else _prompts(body),
-        max_tokens=fields.integer(body, _max_tokens_field(body), 1),
+        max_tokens=_max_tokens(body, echo),
         max_tokens_field=_max_tokens_field(body),
         sampling=_sampling(body, n),
         stream=stream,
         include_usage=_include_usage(body, stream),
         logprobs=_chat_logprobs(body) if chat else fields.integer(body, "logprobs", 0, fields.MAX_LOGPROBS),
+        echo=echo,
     )
+
+
+def _max_tokens(body: dict, echo: bool) -> int | None:
+    """At least 1; 0 only with `echo` (score the prompt, generate nothing: vLLM's rule)."""
+    name = _max_tokens_field(body)
+    if type(body.get(name)) is int and body[name] == 0 and not echo:
+        why = "0 only with `echo`: the prompt scored, nothing generated"
+        raise bad_request(name, f"`{name}` must be at least 1 ({why}), got 0")
+    return fields.integer(body, name, 0 if echo else 1)
 
 
 def _sampling(body: dict, n: int) -> dict:

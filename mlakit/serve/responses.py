@@ -93,8 +93,13 @@ class Shaper:
         for token, entry in zip(ids, entries, strict=False):
             text = self._token_text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(_finite(entry.get(token)))
-            out["top_logprobs"].append({self._token_text(t): _finite(v) for t, v in _top(entry, self._top)})
+            if entry is None:  # an echoed prompt's first token: nothing predicts it (null, as OpenAI)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(_finite(entry.get(token)))
+                top = _top(entry, self._top)
+                out["top_logprobs"].append({self._token_text(t): _finite(v) for t, v in top})
             out["text_offset"].append(text_offset)
             text_offset += len(text)
         return out
