@@ -13,9 +13,6 @@ from mlakit.serve.errors import bad_request
 
 # OpenAI fields mlakit does not implement, with the values that mean "off"
 _UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "logit_bias": {},
     "suffix": "",
     "echo": False,
@@ -54,12 +51,12 @@ def parse(body, chat: bool) -> GenerateRequest:
         chat=chat,
         model=fields.string(body, "model"),
         prompts=[_messages(body)] if chat else _prompts(body),
-        max_tokens=fields.integer(body, _max_tokens_field(body), 1),
+        max_tokens=fields.max_tokens(body, _max_tokens_field(body)),
         max_tokens_field=_max_tokens_field(body),
         sampling=_sampling(body, n),
         stream=stream,
         include_usage=_include_usage(body, stream),
-        logprobs=_chat_logprobs(body) if chat else fields.integer(body, "logprobs", 0, fields.MAX_LOGPROBS),
+        logprobs=_chat_logprobs(body) if chat else fields.logprobs(body, "logprobs"),
     )
 
 
@@ -76,6 +73,7 @@ def _sampling(body: dict, n: int) -> dict:
         "stop": fields.stop_strings(body),
         "stop_token_ids": None if stop_ids is None else fields.token_ids(stop_ids, "stop_token_ids"),
         "ignore_eos": fields.boolean(body, "ignore_eos"),
+        **fields.vllm_options(body),
     }
 
 
@@ -96,7 +94,7 @@ def _include_usage(body: dict, stream: bool) -> bool:
 
 def _chat_logprobs(body: dict) -> int | None:
     wanted = fields.boolean(body, "logprobs")
-    top = fields.integer(body, "top_logprobs", 0, fields.MAX_LOGPROBS)
+    top = fields.logprobs(body, "top_logprobs")
     if top is not None and not wanted:
         raise bad_request("top_logprobs", "`top_logprobs` needs `logprobs` set to true")
     return (top or 0) if wanted else None
