@@ -287,3 +287,22 @@ def test_serve_flags_reach_the_app():
         False,
         ("/health", "/metrics"),
     )
+
+
+def test_one_prompt_past_the_context_queues_none_of_the_batch(tiny):
+    llm = LLM(tiny, dtype="fp32", num_blocks=8)
+    params = [RealParams(max_tokens=4), RealParams(max_tokens=10**6)]
+    with pytest.raises(ValueError, match="^max_tokens 1000000 is too many"):
+        llm.generate(["hi", "hi"], params, use_tqdm=False)
+    assert not llm.llm_engine.requests and not llm.llm_engine.waiting
+
+
+@pytest.mark.parametrize("tokenizer,chars", [("byte", 5), ("char", 128)], ids=["byte-level", "no-vocab"])
+def test_characters_per_token_bound(tokenizer, chars):
+    from serve_tiny import byte_tokenizer
+
+    from mlakit.serve.guard import default_request_bytes, longest_token_chars
+
+    tok = byte_tokenizer() if tokenizer == "byte" else CharTokenizer()
+    assert longest_token_chars(tok) == chars  # "<bos>"; a tokenizer without get_vocab: the fallback
+    assert default_request_bytes(512 * chars) == 2**20 and default_request_bytes(16384 * 128) == 8 * 2**20
