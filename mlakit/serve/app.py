@@ -31,7 +31,7 @@ class ServerState:
     api_key: str | None
     max_waiting: int
     created: int
-    max_prompt_chars: int = 0  # more characters than max_model_len tokens can hold (guard.py)
+    max_prompt_chars: int = 0  # the most characters max_model_len tokens can hold (guard.py)
     max_request_bytes: int = 0
 
 
