@@ -7,6 +7,7 @@ the server (streaming, n, stop, usage, aborts, metrics, queue limits) is testabl
 
 from __future__ import annotations
 
+import collections
 import socket
 import subprocess
 import sys
@@ -46,6 +47,12 @@ class SamplingParams:
     stop_token_ids: list | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -232,11 +239,15 @@ def start_cli_server(args: list[str], timeout: float = 240.0) -> tuple[subproces
     port = free_port()
     cmd = [sys.executable, "-m", "mlakit.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the server's output (an access line per request) is read as it comes: a full pipe would block it
+    proc.output = collections.deque(maxlen=2000)
+    threading.Thread(target=lambda: proc.output.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mlakit serve exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
+            time.sleep(0.2)
+            raise RuntimeError(f"mlakit serve exited with {proc.returncode}: {''.join(proc.output)[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url

@@ -168,9 +168,9 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(n):
     (p,) = prompts(1, [50], seed=8)
     eng = LLMEngine(model, **CHUNKED)
     eng.add_request("a", p, SamplingParams(n=n, max_tokens=0, prompt_logprobs=0))
-    eng.add_request("b", p, SamplingParams(max_tokens=0))  # nothing asked: finished at once, as before
-    (b,) = eng.step()
-    assert b.request_id == "b" and b.finished and b.prompt_logprobs is None
+    # nothing to score and nothing to generate is refused (the limits' rule), not finished empty
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
     out = drain(eng)["a"]
     assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [([], "length")] * n
     check_entries(out.prompt_logprobs, ref_logprobs(ref, p), p, 0)

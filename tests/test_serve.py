@@ -157,7 +157,7 @@ BAD = [
     ("logprobs-big", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("stream-type", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stream-options", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("penalty", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("logit-bias", {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ("best-of", {"prompt": "a", "best_of": 3}, 400, "best_of"),
 ]
 BAD_CHAT = [

@@ -33,22 +33,18 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from mlakit.engine import LLM, SamplingParams
+    from mlakit.engine import LLM
 
-    params = SamplingParams(
-        n=args.n,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
     start = time.perf_counter()
+    params, tokenizer = check(args)
     print(f"mlakit generate: loading {args.model} ...", file=sys.stderr)
-    llm = LLM(args.model, dtype=args.dtype, cache_dtype=args.cache_dtype, cache_memory=args.cache_memory)
+    llm = LLM(
+        args.model,
+        tokenizer=tokenizer,
+        dtype=args.dtype,
+        cache_dtype=args.cache_dtype,
+        cache_memory=args.cache_memory,
+    )
     loaded = time.perf_counter()
     (out,) = llm.generate(args.prompt, params, use_tqdm=True)
     took = time.perf_counter() - loaded
@@ -80,3 +76,62 @@ def run(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def check(args):
+    """Every argument checked before the model loads (seconds to minutes): the sampling flags, the
+    prompt, the dtypes and sizes, the model's family and cache format, and prompt + --max-tokens against
+    the model's positions (the engine checks its cache's limit again, with the same message).
+    Returns (SamplingParams, the tokenizer, loaded once)."""
+    from mlakit.engine import SamplingParams, load
+    from mlakit.engine.limits import check_cache_dtype, check_context
+
+    if not args.prompt:
+        raise ValueError("--prompt is empty; expected some text")
+    params = SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    load.resolve_dtype(args.dtype, None)
+    if args.cache_memory is not None:
+        load.parse_bytes(args.cache_memory)
+    config, tokenizer = _config_and_tokenizer(args.model)
+    from mlakit.config import MLAConfig
+
+    check_cache_dtype(args.cache_dtype, MLAConfig.from_hf(config).kv_lora_rank)
+    ids = tokenizer(args.prompt)["input_ids"]
+    if not ids:
+        raise ValueError("--prompt gives no tokens; expected some text")
+    check_context(len(ids), params.max_tokens, getattr(config, "max_position_embeddings", None) or 2**20)
+    return params, tokenizer
+
+
+def _config_and_tokenizer(model: str):
+    """The model's transformers config and tokenizer, read from local files (no weights)."""
+    import os
+
+    if model == "demo":
+        from transformers import DeepseekV3Config
+
+        from mlakit.engine.demo import DEMO, demo_tokenizer
+
+        return DeepseekV3Config(**DEMO), demo_tokenizer()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model!r} is not 'demo' nor a folder with a config.json")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mlakit.hf.families import FAMILIES
+
+    config = AutoConfig.from_pretrained(model, local_files_only=True)
+    if getattr(config, "model_type", None) not in {f.model_type for f in FAMILIES.values()}:
+        raise ValueError(
+            f"--model {model!r}: model_type {config.model_type!r} is not an MLA family mlakit knows"
+        )
+    return config, AutoTokenizer.from_pretrained(model, local_files_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -38,6 +39,23 @@ def register(sub) -> None:
         default=1024,
         help="past this many requests waiting for a batch slot, new ones get 503 (Retry-After: 1)",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=count_type("max-request-bytes", 1, 1 << 40),
+        default=None,
+        help="request bodies past this get 413 (default: 4 bytes x the characters max_model_len tokens can "
+        "hold, at least 1 MiB)",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access line per request on stderr (vLLM's flag)",
+    )
+    p.add_argument(
+        "--disable-access-log-for-endpoints",
+        default="",
+        help="comma-separated paths left out of the access log, e.g. /health,/metrics (vLLM's flag)",
+    )
     p.set_defaults(func=run)  # fmt: skip
 
 
@@ -62,7 +80,13 @@ def run(args) -> int:
 
     engine = LLMEngine(args.model, **engine_kwargs(args))
     name = args.served_model_name or args.model
-    app = build_app(EngineAdapter(engine), name, api_key=args.api_key, max_waiting=args.max_waiting_requests)
+    app = build_app(EngineAdapter(engine), name, **app_kwargs(args))
+    if not args.disable_uvicorn_access_log:
+        _log_access()
+    # the startup heap (model, tokenizer) leaves the collector's view, as vLLM does: a full collection
+    # over it held the GIL ~0.2 s, stalling every request
+    gc.collect()
+    gc.freeze()
     print(
         f"mlakit serve: {name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
         file=sys.stderr,
@@ -73,6 +97,29 @@ def run(args) -> int:
         app, host=args.host, port=args.port, log_level="warning", loop=loop, timeout_graceful_shutdown=5
     )
     return 0
+
+
+def app_kwargs(args) -> dict:
+    skip = tuple(p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip())
+    return {
+        "api_key": args.api_key,
+        "max_waiting": args.max_waiting_requests,
+        "max_request_bytes": args.max_request_bytes,
+        "access_log": not args.disable_uvicorn_access_log,
+        "access_log_skip": skip,
+    }
+
+
+def _log_access() -> None:
+    """The access lines on stderr, as uvicorn prints its own (`INFO:     ...`)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log = logging.getLogger("mlakit.serve.access")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _has(module: str) -> bool:

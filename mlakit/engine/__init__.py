@@ -7,6 +7,9 @@
 
 `LLM(model, *, tokenizer=None, dtype=None, device=None, cache_dtype=None, block_size=64, num_blocks=None,
 cache_memory=None, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0)`;
+`LLM.generate(prompts, sampling_params)` and `LLM.chat(messages, sampling_params)` (the server's chat
+rendering); `SamplingParams` takes vLLM's names (penalties, `min_tokens`, ...) and refuses any other by
+name; the limits every entry point shares are in `mlakit.engine.limits`.
 `LLM.llm_engine` is the `LLMEngine` a server drives:
 
 - `add_request(request_id, prompt, params)`, `abort_request(request_id)`, `step() -> list[RequestOutput]`

@@ -12,10 +12,11 @@ from collections import OrderedDict
 import torch
 
 from mlakit.cache.paged import PagedLatentCache
-from mlakit.cache.quant import FP8_GROUP, token_layout
+from mlakit.cache.quant import token_layout
 from mlakit.engine import load
-from mlakit.engine.detok import Detokenizer, find_stop
+from mlakit.engine.detok import Detokenizer, advance
 from mlakit.engine.kv import KVManager
+from mlakit.engine.limits import check_cache_dtype, check_context
 from mlakit.engine.params import RequestOutput, SamplingParams
 from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
@@ -102,11 +103,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the cache holds at most {self.max_model_len} tokens of a "
-                "sequence (max_model_len), prompt and output together"
-            )
+        check_context(len(ids), params.max_tokens, self.max_model_len)
         req = Request(request_id, text, ids, params, self._arrivals)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -114,7 +111,7 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(req, i, list(ids), len(ids), status=WAITING if i == 0 else PENDING)
             if self.tokenizer is not None:
-                seq.detok = Detokenizer(self.tokenizer)
+                seq.detok = Detokenizer(self.tokenizer, params.skip_special_tokens)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             if params.logprobs is not None:
@@ -234,7 +231,9 @@ class LLMEngine:
             self._finish_request(seq.request, "length")
         if sampling:
             params = [s.request.params for s in sampling]
-            tokens, lps = sample(logits, params, [s.generator for s in sampling], self.generator)
+            history = [(s.tokens, s.prompt_len) for s in sampling]
+            gens = [s.generator for s in sampling]
+            tokens, lps = sample(logits, params, gens, self.generator, history, self.eos_token_id)
             for seq, token, lp in zip(sampling, tokens, lps, strict=True):
                 self._append(seq, token, lp)
         t3 = time.perf_counter()
@@ -256,7 +255,7 @@ class LLMEngine:
             req.prompt_logprobs[p + 1] = entry
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
-        req, params = seq.request, seq.request.params
+        req = seq.request
         first = len(seq.tokens) == seq.prompt_len
         seq.tokens.append(token)
         self.generation_tokens += 1
@@ -265,19 +264,9 @@ class LLMEngine:
             seq.logprobs.append(lp)
         if first and seq.index == 0:
             self._fork(seq)
-        if seq.detok is not None:
-            piece = seq.detok.step(token)
-            seq.text += piece
-            hit = find_stop(seq.text, len(piece), params.stop) if params.stop and piece else None
-            if hit is not None:
-                seq.text = seq.text[: hit[0]]
-                seq.stop_reason = hit[1]
-                return self._finish(seq, "stop")
-        if token in params.stop_token_ids or (not params.ignore_eos and token == self.eos_token_id):
-            seq.stop_reason = token
-            return self._finish(seq, "stop")
-        if len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return self._finish(seq, "length")
+        reason = advance(seq, token, self.eos_token_id, self.max_model_len)
+        if reason is not None:
+            return self._finish(seq, reason)
 
     def _fork(self, parent: Sequence) -> None:
         """Siblings of n > 1 start on the prompt pages just computed (one more reference each)."""
@@ -352,12 +341,7 @@ def _cache_size(
     cfg, config, dtype, device, cache_dtype, block_size, num_blocks, cache_memory, max_seqs
 ) -> int:
     """Pages of the cache (every refusal a ValueError naming its argument)."""
-    if cache_dtype == "fp8" and cfg.kv_lora_rank % FP8_GROUP:
-        raise ValueError(
-            f"cache_dtype='fp8' needs kv_lora_rank divisible by {FP8_GROUP} (one fp32 scale per {FP8_GROUP} "
-            f"latent values, FlashMLA's page format); this model's kv_lora_rank is {cfg.kv_lora_rank}: "
-            "use cache_dtype='int8' or None"
-        )
+    check_cache_dtype(cache_dtype, cfg.kv_lora_rank)
     max_pos = getattr(config, "max_position_embeddings", None) or 2**20
     page = token_layout(cfg, dtype, cache_dtype).row_bytes * block_size * cfg.num_layers
     return load.cache_blocks(

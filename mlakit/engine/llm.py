@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
+from mlakit.engine.chat import check_messages, render
 from mlakit.engine.engine import LLMEngine
+from mlakit.engine.limits import check_context
 from mlakit.engine.params import RequestOutput, SamplingParams
 
 PROGRESS_EVERY = 5.0  # seconds
@@ -68,8 +70,8 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params holds a {type(p).__name__}, expected SamplingParams")
         eng = self.llm_engine
-        for p in prompts:  # every prompt checked before any is queued
-            eng._tokenize(p)
+        for prompt, p in zip(prompts, params, strict=True):  # every prompt checked before any is queued
+            check_context(len(eng._tokenize(prompt)[1]), p.max_tokens, eng.max_model_len)
         ids = []
         for prompt, p in zip(prompts, params, strict=True):
             rid = f"llm-{self._counter}"
@@ -77,6 +79,32 @@ class LLM:
             eng.add_request(rid, prompt, p)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self, messages, sampling_params=None, *, use_tqdm: bool = True, add_generation_prompt: bool = True
+    ) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them; rendered
+        as the server's /v1/chat/completions does (the tokenizer's chat template, else the plain one) and
+        generated as `generate` does. `RequestOutput.prompt` is the rendered text."""
+        convs = (
+            [messages]
+            if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict)
+            else messages
+        )
+        if not isinstance(convs, list | tuple) or not convs:
+            raise ValueError(f"messages must be a conversation or a list of conversations, got {messages!r}")
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer: pass tokenizer= to LLM")
+        name = "messages" if convs is not messages else "messages[{}]"
+        rendered = [
+            render(tok, check_messages(c, name.format(i)), add_generation_prompt=add_generation_prompt)
+            for i, c in enumerate(convs)
+        ]
+        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered, strict=True):
+            out.prompt = text
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         eng, done, start, last = self.llm_engine, {}, time.perf_counter(), 0.0

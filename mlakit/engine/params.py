@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from mlakit.engine.limits import check_logprobs, check_max_tokens
 
 # temperatures below this sample greedily (vLLM's epsilon): dividing logits by less overflows to NaN
 _SAMPLING_EPS = 1e-5
-# vLLM's default max_logprobs: the most top alternatives per token (the actual token comes on top)
-MAX_PROMPT_LOGPROBS = 20
 # a request's generator seed (torch.Generator.manual_seed takes 64 bits; seed + i for its n completions)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -35,26 +35,51 @@ class SamplingParams:
     one would divide the logits into NaN). `top_k` 0 or -1: off. `seed`: the request's
     own generator (the same tokens whatever else is in the batch). `stop`: strings cut from the text;
     `stop_token_ids`: tokens that end it (kept in `token_ids`, not in `text`). `logprobs=k`: the chosen
-    token's and the top-k log-probabilities of every generated token. `prompt_logprobs=k` (0 to 20): the
-    same for every prompt token but the first (`RequestOutput.prompt_logprobs`; 0: the actual token only);
-    with `max_tokens=0` the prompt is scored and nothing generated."""
+    token's and the top-k log-probabilities of every generated token (0 to 20, vLLM's max_logprobs).
+    `prompt_logprobs=k` (0 to 20): the same for every prompt token but the first
+    (`RequestOutput.prompt_logprobs`; 0: the actual token only).
+    `max_tokens`: at least 1 (0 only with `prompt_logprobs`: the prompt is scored, nothing generated),
+    None: the rest of the context; the engine refuses a prompt + `max_tokens` past `max_model_len`
+    (mlakit.engine.limits). vLLM's meanings:
+    `min_tokens` (EOS and stop tokens masked, stop strings not checked, until that many are generated),
+    `presence_penalty` / `frequency_penalty` (-2..2, OpenAI's: subtracted per generated token present /
+    per occurrence), `repetition_penalty` (> 0, 1 off; over prompt and generated tokens: positive
+    logits divided by it, negative ones multiplied), `include_stop_str_in_output` (the stop string or
+    stop token's text kept), `skip_special_tokens` (special tokens left out of `text`). Unknown keywords
+    are a ValueError naming them."""
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
+    def __new__(cls, *args, **kwargs):
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            accepted = ", ".join(f.name for f in fields(cls))
+            raise ValueError(
+                f"SamplingParams got unknown keyword(s) {', '.join(unknown)}; accepted: {accepted}"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self):
         self.n = _int("n", self.n, 1)
-        self.max_tokens = _int("max_tokens", self.max_tokens, 0)
+        check_max_tokens(self.max_tokens, scoring=self.prompt_logprobs is not None)
+        self._check_options()
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -79,13 +104,29 @@ class SamplingParams:
         self.stop_token_ids = [_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        self.logprobs = _int("logprobs", self.logprobs, 0, none=True)
-        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, none=True)
-        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_PROMPT_LOGPROBS:
-            raise ValueError(
-                f"prompt_logprobs must be at most {MAX_PROMPT_LOGPROBS} (vLLM's max_logprobs), "
-                f"got {self.prompt_logprobs}"
-            )
+        check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+
+    def _check_options(self) -> None:
+        """vLLM's options beyond OpenAI's sampling fields."""
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

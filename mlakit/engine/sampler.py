@@ -1,6 +1,8 @@
 """Sampler: logits [M, V] of the rows that sample -> one token each (and log-probabilities when asked).
 
-Greedy rows take the argmax. Sampled rows: temperature, top-k, top-p, min-p, then the exponential race
+First vLLM's logits processing: repetition penalty (over prompt and generated tokens), frequency and
+presence penalties (over generated tokens), EOS and stop tokens masked before `min_tokens`. Then
+greedy rows take the argmax. Sampled rows: temperature, top-k, top-p, min-p, then the exponential race
 (argmax of p / q with q ~ Exp(1), which draws from p): a row with a seed draws its q from its own
 generator, so its tokens do not depend on the other rows of the batch.
 """
@@ -36,10 +38,66 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x
 
 
+def process(logits: torch.Tensor, params: list[SamplingParams], history=None, eos=None) -> torch.Tensor:
+    """The logits with penalties applied and the tokens `min_tokens` forbids set to -inf (a copy when
+    anything changes). `history[i]`: row i's (token ids so far, prompt length)."""
+    if history is None:
+        if any(p.penalized or p.min_tokens for p in params):
+            raise ValueError("sampling with penalties or min_tokens needs each row's history")
+        return logits
+    rows = [i for i, p in enumerate(params) if p.penalized or _banned(p, history[i], eos)]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        tokens, prompt_len = history[i]
+        out[i] = penalize(out[i], params[i], tokens, prompt_len)
+        banned = _banned(params[i], history[i], eos)
+        if banned:
+            out[i, banned] = float("-inf")
+    return out
+
+
+def penalize(x: torch.Tensor, p: SamplingParams, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """One row's logits [V] after vLLM's penalties: repetition (HF's rule over prompt + output: a seen
+    token's positive logit divided by it, a negative one multiplied), then frequency (per occurrence in
+    the output) and presence (once per token in the output), both subtracted (OpenAI's)."""
+    if not p.penalized:
+        return x
+    vocab = x.shape[-1]
+    ids = torch.tensor(tokens, dtype=torch.long, device=x.device)
+    if p.repetition_penalty != 1:
+        seen = torch.bincount(ids, minlength=vocab)[:vocab] > 0
+        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = torch.bincount(ids[prompt_len:], minlength=vocab)[:vocab].to(x.dtype)
+        x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def _banned(p: SamplingParams, history, eos) -> list[int]:
+    """Token ids a row may not sample yet: before `min_tokens` generated, its stop tokens and EOS."""
+    if not p.min_tokens or history is None or len(history[0]) - history[1] >= p.min_tokens:
+        return []
+    stops = list(p.stop_token_ids)
+    if eos is not None and not p.ignore_eos:
+        stops.append(eos)
+    return stops
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list, shared: torch.Generator
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list,
+    shared: torch.Generator,
+    history: list | None = None,
+    eos: int | None = None,
 ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """One token per row; `generators[i]`: row i's own generator (a seeded request) or None (`shared`)."""
+    """One token per row; `generators[i]`: row i's own generator (a seeded request) or None (`shared`);
+    `history[i]`: row i's (token ids so far, prompt length), read by penalties and `min_tokens`; `eos`:
+    the model's end token. Log-probabilities are the model's own (before processing, vLLM's default)."""
+    raw = logits
+    logits = process(logits, params, history, eos)
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -50,7 +108,7 @@ def sample(
             q[j].exponential_(generator=generators[i] or shared)
         tokens[idx] = (probs / q).argmax(-1)
     chosen = tokens.tolist()
-    return chosen, _logprobs(logits, params, chosen)
+    return chosen, _logprobs(raw, params, chosen)
 
 
 def _logprobs(logits, params, chosen) -> list[dict[int, float] | None]:

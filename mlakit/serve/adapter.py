@@ -7,9 +7,7 @@ transformers tokenizer or a `tokenizers.Tokenizer`. Everything here is read-only
 
 from __future__ import annotations
 
-# the template used when the tokenizer has no chat template of its own (documented in docs/serve.md)
-PLAIN_TEMPLATE = "{role}: {content}\n"
-PLAIN_GENERATION_PROMPT = "assistant:"
+from mlakit.engine.chat import render
 
 
 class EngineAdapter:
@@ -52,13 +50,7 @@ class EngineAdapter:
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation: the tokenizer's chat template, else the plain one."""
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            out = tok(text, add_special_tokens=False)["input_ids"]
-            return list(out)
-        text = "".join(PLAIN_TEMPLATE.format(**m) for m in messages) + PLAIN_GENERATION_PROMPT
-        return self.encode(text)
+        return render(self.tokenizer, messages, encode=self.encode)[1]
 
     def stats(self) -> dict:
         """running, waiting, kv_cache_usage (0..1) from the engine when it tells; None where it does not."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mlakit.serve import handlers, protocol
+from mlakit.serve import guard, handlers, protocol
+from mlakit.serve.access import AccessLog
 from mlakit.serve.errors import APIError, bad_api_key, bad_request, model_not_found
 from mlakit.serve.loop import EngineLoop
 from mlakit.serve.metrics import Metrics
@@ -30,13 +31,27 @@ class ServerState:
     api_key: str | None
     max_waiting: int
     created: int
+    max_prompt_chars: int = 0  # the most characters max_model_len tokens can hold (guard.py)
+    max_request_bytes: int = 0
 
 
-def build_app(adapter, model_name: str, api_key: str | None = None, max_waiting: int = DEFAULT_MAX_WAITING):
-    """The app around one engine (through its `EngineAdapter`); the engine loop runs while the app does."""
+def build_app(
+    adapter,
+    model_name: str,
+    api_key: str | None = None,
+    max_waiting: int = DEFAULT_MAX_WAITING,
+    max_request_bytes: int | None = None,
+    access_log: bool = True,
+    access_log_skip=(),
+):
+    """The app around one engine (through its `EngineAdapter`); the engine loop runs while the app does.
+    `max_request_bytes`: the body limit (default `guard.default_request_bytes`); `access_log`: one line
+    per request on the `mlakit.serve.access` logger, but for the paths in `access_log_skip`."""
     metrics = Metrics(model_name)
     state = ServerState(adapter, EngineLoop(adapter, metrics), metrics, model_name, api_key, max_waiting,
                         int(time.time()))  # fmt: skip
+    state.max_prompt_chars = guard.longest_token_chars(adapter.tokenizer) * adapter.max_model_len
+    state.max_request_bytes = max_request_bytes or guard.default_request_bytes(state.max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -46,6 +61,8 @@ def build_app(adapter, model_name: str, api_key: str | None = None, max_waiting:
 
     app = FastAPI(title="mlakit", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlakit = state
+    if access_log:
+        app.add_middleware(AccessLog, skip=access_log_skip)
     _errors(app)
     _routes(app, state)
     return app
@@ -94,7 +111,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         if not isinstance(text, str):
             raise bad_request("prompt", "`prompt` must be a string")
         special = body.get("add_special_tokens", True) is not False
-        ids = state.adapter.encode(text) if special else state.adapter.encode_plain(text)
+        encode = state.adapter.encode if special else state.adapter.encode_plain
+        ids = await asyncio.to_thread(encode, text)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.adapter.max_model_len}
 
     @app.post("/detokenize")
@@ -121,7 +139,9 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     req = protocol.parse(await _json(request), chat)
     if req.model is not None and req.model != state.model_name:
         raise model_not_found(req.model)
-    job = handlers.Job(state, req)
+    guard.check_prompt_chars(req, state.max_prompt_chars, state.adapter.max_model_len)
+    # tokenizing a long prompt takes seconds: a thread (the tokenizer releases the GIL), never the loop
+    job = await asyncio.to_thread(handlers.Job, state, req)
     if req.stream:
         events = handlers.stream(state, job, _gone(request))
         headers = {"Cache-Control": "no-cache"}
@@ -130,10 +150,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
 
 
 async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(None, f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    return await guard.read_json(request, request.app.state.mlakit.max_request_bytes)
 
 
 async def _gone(request: Request) -> None:

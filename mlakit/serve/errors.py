@@ -35,6 +35,11 @@ def bad_request(param: str | None, message: str, code: str = "invalid_value") ->
     return APIError(400, message, param=param, code=code)
 
 
+def too_large(size: int, limit: int) -> APIError:
+    message = f"the request body has {size} bytes; this server takes at most {limit} (--max-request-bytes)"
+    return APIError(413, message, code="request_too_large")
+
+
 def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
@@ -52,7 +57,8 @@ def engine_refusal(err: ValueError) -> APIError:
     """The engine refused a request: a 400 naming the field its message starts with, if any."""
     message = str(err).splitlines()[0] if str(err) else "the engine refused the request"
     known = ("max_tokens", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-             "stop_token_ids", "logprobs")  # fmt: skip
+             "stop_token_ids", "logprobs", "min_tokens", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens")  # fmt: skip
     words = message.replace("`", " ").replace("=", " ").replace(":", " ").split()
     param = next((w for w in words if w in known), None)
     return APIError(400, message, param=param, code="invalid_value")

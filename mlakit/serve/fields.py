@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+from mlakit.engine.limits import check_logprobs, check_max_tokens
 from mlakit.serve.errors import bad_request
 
 MAX_N = 128
-MAX_LOGPROBS = 20
+# vLLM's sampling options beyond OpenAI's, handed to SamplingParams as sent (it checks them: its
+# message is the 400's); only those a request sets, so an engine without them still serves the rest
+VLLM_OPTIONS = ("min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "include_stop_str_in_output", "skip_special_tokens")  # fmt: skip
 
 
 def _is_int(value) -> bool:
@@ -35,7 +39,7 @@ def number(body: dict, name: str, low: float, high: float | None, default, low_o
     if value is None:
         return default
     if not _is_number(value):
-        raise bad_request(name, f"`{name}` must be a number, got {value!r}", code="invalid_type")
+        raise bad_request(name, f"`{name}` must be a finite number, got {value!r}", code="invalid_type")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         left = "(" if low_open else "["
@@ -85,3 +89,29 @@ def unsupported(body: dict, defaults: dict) -> None:
         value = body.get(name)
         if value is not None and value != neutral and not (isinstance(neutral, tuple) and value in neutral):
             raise bad_request(name, f"`{name}` is not supported by this server (got {value!r})")
+
+
+def max_tokens(body: dict, name: str, scoring: bool = False):
+    """`max_tokens` / `max_completion_tokens`: the shared rule (mlakit.engine.limits), its message."""
+    return _shared(body, name, lambda v: check_max_tokens(v, scoring, name))
+
+
+def logprobs(body: dict, name: str):
+    """`logprobs` (completions) or `top_logprobs` (chat): 0..MAX_LOGPROBS, the shared rule."""
+    return _shared(body, name, lambda v: check_logprobs(v, name))
+
+
+def _shared(body: dict, name: str, check):
+    value = body.get(name)
+    if value is None:
+        return None
+    try:
+        check(value)
+    except ValueError as err:
+        code = "invalid_type" if not _is_int(value) else "invalid_value"
+        raise bad_request(name, str(err), code=code) from None
+    return value
+
+
+def vllm_options(body: dict) -> dict:
+    return {name: body[name] for name in VLLM_OPTIONS if body.get(name) is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from mlakit.engine.limits import check_context
 from mlakit.serve.errors import APIError, bad_request, engine_refusal, overloaded
 from mlakit.serve.protocol import GenerateRequest
 from mlakit.serve.responses import Choice, Shaper, Usage
@@ -49,22 +50,21 @@ class Job:
     def _params(self, context: int):
         longest = max(len(ids) for ids in self.prompt_ids)
         name = "messages" if self.req.chat else "prompt"
-        if longest >= context:
-            raise bad_request(name, f"the prompt has {longest} tokens; the model's context is {context}")
         max_tokens = self.req.max_tokens
+        try:  # the engine's rule and message (mlakit.engine.limits)
+            check_context(longest, max_tokens, context, self.req.max_tokens_field)
+        except ValueError as err:
+            raise bad_request(name if longest >= context else self.req.max_tokens_field, str(err)) from None
         if max_tokens is None:
             room = context - longest
             max_tokens = room if self.req.chat else min(DEFAULT_COMPLETION_TOKENS, room)
-        elif longest + max_tokens > context:
-            raise bad_request(
-                self.req.max_tokens_field,
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion).",
-            )
         try:
             logprobs = self.req.logprobs
             # echo with logprobs: the prompt's too (vLLM's prompt_logprobs=logprobs)
-            scored = {"prompt_logprobs": logprobs} if self.req.echo and logprobs is not None else {}
+            scored = {}
+            if self.req.echo and (logprobs is not None or max_tokens == 0):
+                # max_tokens 0 scores the prompt (nothing to sample); its entries show only with logprobs
+                scored = {"prompt_logprobs": logprobs or 0}
             return self.adapter.make_params(
                 **self.req.sampling, max_tokens=max_tokens, logprobs=logprobs, **scored
             )

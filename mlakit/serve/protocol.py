@@ -13,9 +13,6 @@ from mlakit.serve.errors import bad_request
 
 # OpenAI fields mlakit does not implement, with the values that mean "off"
 _UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "logit_bias": {},
     "suffix": "",
     "echo": False,
@@ -62,18 +59,15 @@ def parse(body, chat: bool) -> GenerateRequest:
         sampling=_sampling(body, n),
         stream=stream,
         include_usage=_include_usage(body, stream),
-        logprobs=_chat_logprobs(body) if chat else fields.integer(body, "logprobs", 0, fields.MAX_LOGPROBS),
+        logprobs=_chat_logprobs(body) if chat else fields.logprobs(body, "logprobs"),
         echo=echo,
     )
 
 
 def _max_tokens(body: dict, echo: bool) -> int | None:
-    """At least 1; 0 only with `echo` (score the prompt, generate nothing: vLLM's rule)."""
-    name = _max_tokens_field(body)
-    if type(body.get(name)) is int and body[name] == 0 and not echo:
-        why = "0 only with `echo`: the prompt scored, nothing generated"
-        raise bad_request(name, f"`{name}` must be at least 1 ({why}), got 0")
-    return fields.integer(body, name, 0 if echo else 1)
+    """At least 1; 0 only with `echo` (score the prompt, generate nothing: vLLM's rule), the engine's
+    message (mlakit.engine.limits)."""
+    return fields.max_tokens(body, _max_tokens_field(body), scoring=echo)
 
 
 def _sampling(body: dict, n: int) -> dict:
@@ -89,6 +83,7 @@ def _sampling(body: dict, n: int) -> dict:
         "stop": fields.stop_strings(body),
         "stop_token_ids": None if stop_ids is None else fields.token_ids(stop_ids, "stop_token_ids"),
         "ignore_eos": fields.boolean(body, "ignore_eos"),
+        **fields.vllm_options(body),
     }
 
 
@@ -109,7 +104,7 @@ def _include_usage(body: dict, stream: bool) -> bool:
 
 def _chat_logprobs(body: dict) -> int | None:
     wanted = fields.boolean(body, "logprobs")
-    top = fields.integer(body, "top_logprobs", 0, fields.MAX_LOGPROBS)
+    top = fields.logprobs(body, "top_logprobs")
     if top is not None and not wanted:
         raise bad_request("top_logprobs", "`top_logprobs` needs `logprobs` set to true")
     return (top or 0) if wanted else None
