@@ -27,6 +27,8 @@ CASES = {
     "bench-out-existing-file": ["bench", "--out", "a-file"],
     "bench-out-under-a-file": ["bench", "--out", "a-file/sub"],
     "bench-out-empty": ["bench", "--out", ""],
+    "bench-out-proc": ["bench", "--out", "/proc/nope"],
+    "bench-out-proc-deep": ["bench", "--out", "/proc/nope/a/b"],
     "bench-huge-context": ["bench", "--context", "100000000", "--new", "1000000"],
     "bench-huge-batch": ["bench", "--batch", "100000"],
     "bench-empty-batch": ["bench", "--batch", ""],
@@ -37,6 +39,7 @@ CASES = {
     "bench-threads-zero": ["bench", "--threads", "0"],
     "explore-out-folder": ["explore", "--out", "empty"],
     "explore-out-empty": ["explore", "--out", ""],
+    "explore-out-proc": ["explore", "--out", "/proc/nope.html"],
     "explore-bench-garbage": ["explore", "--bench", "garbage.json"],
     "check-huge-prefill": ["check", "--prefill", "1000000"],
     "check-huge-batch": ["check", "--batch", "1000000"],
@@ -61,6 +64,8 @@ CASES = {
     "calibrate-max-new-0": ["calibrate", "--max-new", "0"],
     "calibrate-device-nonsense": ["calibrate", "--device", "nonsense"],
     "calibrate-out-folder-is-file": ["calibrate", "--out", "a-file/x.json"],
+    "calibrate-out-proc": ["calibrate", "--out", "/proc/nope.json"],
+    "calibrate-out-proc-folder": ["calibrate", "--out", "/proc/nope"],
     "unknown-command": ["frobnicate"],
     "models-bad-flag": ["models", "--bogus"],
 }
@@ -156,3 +161,26 @@ def test_torch_free_commands_never_import_torch(argv):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_bench_out_proc_refused_before_any_timing(workdir, capsys, monkeypatch):
+    """Permission bits pass /proc for root; the probe write does not, and nothing is timed."""
+
+    def never(*_):
+        raise AssertionError("run_bench started before --out was checked")
+
+    monkeypatch.setattr("mlakit.bench.run.run_bench", never)
+    assert main(["bench", "--quick", "--out", "/proc/nope"]) == 2
+    err = capsys.readouterr().err
+    want = "mlakit bench: error: --out '/proc/nope': cannot create it (No such file or directory)"
+    assert err.strip() == want
+
+
+def test_out_dir_probe_leaves_nothing_behind(tmp_path):
+    from mlakit.commands.args import check_out_dir, check_out_file
+
+    check_out_dir(str(tmp_path / "new" / "deeper" / "out"))
+    check_out_dir(str(tmp_path))
+    check_out_file(str(tmp_path / "x.json"))
+    assert list(tmp_path.iterdir()) == []

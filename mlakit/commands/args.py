@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 
 # a context beyond this is not a sequence any model serves; it also keeps float arithmetic finite
 MAX_TOKENS = 1 << 40
@@ -66,21 +67,17 @@ def _json_file(value: str) -> str:
 
 
 def check_out_dir(value: str, flag: str = "--out") -> None:
-    """A folder we can create or write into; checked before any measuring, creates nothing."""
+    """A folder we can create or write into; checked before any measuring by writing a probe file (and
+    any missing folders), all removed again: permission bits alone pass /proc/nope for root."""
     if not value:
         raise ValueError(f"{flag} must name a folder, got an empty string")
     path = os.path.abspath(value)
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise ValueError(f"{flag} {value!r} is an existing file; it must be a folder (or not exist)")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {value!r}: folder is not writable")
-        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {value!r} is an existing file; it must be a folder (or not exist)")
     parent = _existing_parent(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {value!r}: {parent!r} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {value!r}: cannot create it, {parent!r} is not writable")
+    _probe_writable(path, parent, value, flag)
 
 
 def check_out_file(value: str, flag: str = "--out") -> None:
@@ -93,8 +90,36 @@ def check_out_file(value: str, flag: str = "--out") -> None:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {value!r}: folder {parent!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{flag} {value!r}: not writable")
+    _probe_writable(parent, parent, value, flag)
+
+
+def _probe_writable(path: str, existing: str, value: str, flag: str) -> None:
+    """Make the missing folders from `existing` down to `path`, write and delete a file there, then
+    remove the folders made: a ValueError naming the flag if any step fails."""
+    made = []
+    try:
+        for folder in _missing_folders(existing, path):
+            os.mkdir(folder)
+            made.append(folder)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        what = "cannot write into it" if os.path.isdir(path) else "cannot create it"
+        raise ValueError(f"{flag} {value!r}: {what} ({err.strerror or err})") from None
+    finally:
+        for folder in reversed(made):
+            os.rmdir(folder)
+
+
+def _missing_folders(existing: str, path: str) -> list[str]:
+    """The folders between `existing` (excluded) and `path` (included), top first."""
+    out = []
+    while path != existing and path != os.path.dirname(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out[::-1]
 
 
 def _existing_parent(path: str) -> str:
