@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from mlakit.commands import plural
 from mlakit.cost import format_bytes
 from mlakit.cost.capacity import WEIGHT_BYTES, capacity
 
@@ -79,9 +80,9 @@ def print_capacity(c: dict) -> None:
         f"{format_bytes(c['free_bytes_per_rank'])}"
     )
     print(
-        f"a sequence of {c['context']:,} tokens keeps {c['tokens_per_rank']:,} on the fullest cp rank; "
-        f"sequences = floor(free / (B/token/layer × {c['num_layers']} layers × "
-        f"{c['tokens_per_rank']:,} tokens))"
+        f"a sequence of {plural(c['context'], 'token')} keeps {c['tokens_per_rank']:,} on the fullest cp "
+        f"rank; sequences = floor(free / (B/token/layer × {plural(c['num_layers'], 'layer')} × "
+        f"{plural(c['tokens_per_rank'], 'token')}))"
     )
     head = f"{'cache':<17} {'dtype':>5} {'B/token/layer':>13} {'per sequence':>13} {'sequences':>10}"
     print(f"{head}  arithmetic")

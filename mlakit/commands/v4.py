@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.cost import format_bytes
 from mlakit.cost.v4 import TERMS, v4_report
 from mlakit.v4.config import LAYER_TYPES, V4_PRESETS, V4Config
@@ -45,7 +45,7 @@ def run_cost(args) -> int:
         emit_json(r)
         return 0
     print(
-        f"{cfg.name}: {args.new:,} new tokens over {args.context:,} cached, {args.dtype} cache "
+        f"{cfg.name}: {plural(args.new, 'new token')} over {args.context:,} cached, {args.dtype} cache "
         f"(multiply-adds and cache bytes read per layer, per sequence)"
     )
     kinds = [k for k in LAYER_TYPES if cfg.count(k)]
@@ -87,7 +87,10 @@ def run_cache(args) -> int:
         emit_json(out)
         return 0
     seq = out["bytes_per_sequence"]
-    print(f"{cfg.name}: {cfg.num_layers} layers, {args.dtype} cache, sequence of {args.context:,} tokens")
+    print(
+        f"{cfg.name}: {plural(cfg.num_layers, 'layer')}, {args.dtype} cache, "
+        f"sequence of {plural(args.context, 'token')}"
+    )
     print(f"{'layer type':<30} {'layers':>6} {'bytes/token/layer':>18} {'per layer (seq)':>16}")
     for k in LAYER_TYPES:
         print(
