@@ -6,7 +6,8 @@ steps, projections included; a DSA model's sparse paths and indexer) divided by 
 1. the machine-state probe GEMM's rate: a lower bound (attention's softmax, gathers and small heads run
    below a GEMM's rate), known before the layer is built, so a run far past the limit is refused at once;
 2. the rate of a timed batch-1 prefill of `PROBE_TOKENS` tokens in each path on the layer itself (the
-   cost model's multiply-adds of it over its seconds): within ~15% at 8K tokens of a tiny DSA layer.
+   cost model's multiply-adds of it over its seconds): 13 s said for 33 s run at 8K tokens of a tiny
+   DSA layer on a loaded 2-core machine (docs/calibrate.md), the right order, not a stopwatch.
 """
 
 from __future__ import annotations
