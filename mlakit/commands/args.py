@@ -46,10 +46,28 @@ def count_type(name: str, low: int = 0, high: int = MAX_TOKENS):
     return convert
 
 
-def resolve_model(value: str):
-    """MLAConfig for --model (a preset, a config.json or a folder), with the file named on a bad file."""
+# why a command that runs MLA's two paths has nothing to run on a DeepSeek-V4 model
+_V4_HAS_NO = {
+    "crossover": "no absorb/materialize crossover",
+    "check": "no absorb and materialize paths to compare",
+    "bench": "no absorb/materialize backends to time (benchmarks/v4_decode.py times V4's layer)",
+    "calibrate": "no absorb/materialize crossover to calibrate",
+    "cp-check": "no latent cache for context parallelism to split",
+}
+
+
+def resolve_model(value: str, command: str | None = None):
+    """MLAConfig for --model (a preset, a config.json or a folder), with the file named on a bad file;
+    a DeepSeek-V4 model is refused naming what `command` would need and where V4 is covered."""
+    from mlakit.commands.v4 import is_v4
     from mlakit.config import MLAConfig
 
+    if command in _V4_HAS_NO and is_v4(value):
+        raise ValueError(
+            f"--model {value!r} is a DeepSeek-V4 model (one shared K = V head over a window and compressed "
+            f"entries, no MLA latent): {_V4_HAS_NO[command]}; `mlakit cost --model {value}` gives its "
+            f"terms and `mlakit cache --model {value}` its cache and capacity (docs/v4.md)"
+        )
     try:
         return MLAConfig.resolve(value)
     except json.JSONDecodeError as err:

@@ -50,7 +50,7 @@ def run(args) -> int:
     check_max_minutes(args.max_minutes)
     positive(args, "threads")
     contexts = parse_count_list(args.context, "context", 0, 1 << 24) if args.context is not None else None
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, "calibrate")
     if args.out is not None:
         (check_out_file if args.out.endswith(".json") else check_out_dir)(args.out)
     from mlakit.bench.calibrator import QUICK_CONTEXTS, CalibrateOptions, calibrate, output_path

@@ -65,7 +65,8 @@ def capacity_from_args(cfg, args, groups) -> dict | None:
     )
 
 
-def print_capacity(c: dict) -> None:
+def print_weights_line(c: dict) -> None:
+    """Weights, their share per rank, and the free memory: the first line of every capacity table."""
     w = c["weights"]
     if w["source"] == "given":
         how = f"{format_bytes(w['bytes'])} (--weights-memory)"
@@ -79,6 +80,10 @@ def print_capacity(c: dict) -> None:
         f"free {format_bytes(c['memory_bytes'])} - {format_bytes(w['bytes_per_rank'])} = "
         f"{format_bytes(c['free_bytes_per_rank'])}"
     )
+
+
+def print_capacity(c: dict) -> None:
+    print_weights_line(c)
     print(
         f"a sequence of {plural(c['context'], 'token')} keeps {c['tokens_per_rank']:,} on the fullest cp "
         f"rank; sequences = floor(free / (B/token/layer × {plural(c['num_layers'], 'layer')} × "

@@ -103,7 +103,7 @@ def run(args) -> int:
     for name in ("prefill", "decode_steps", "batch"):
         if getattr(args, name) < (0 if name == "decode_steps" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    cfg = resolve_model(args.model)
+    cfg = resolve_model(args.model, "check")
     need = check_run_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     need += dsa_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     check_memory(need, f"{cfg.name} at batch {args.batch}, prefill {args.prefill:,}", "--batch or --prefill")

@@ -60,7 +60,7 @@ def check_args(args) -> MLAConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if not 0 < args.timeout < 1e6:
         raise ValueError(f"--timeout must be > 0 seconds (and under 1e6), got {args.timeout}")
-    cfg = resolve_model(args.model)
+    cfg = resolve_model(args.model, "cp-check")
     need = cp_check_bytes(cfg, args.world_size, args.context, args.decode_steps, args.prefill_chunk)
     what = f"{plural(args.world_size, 'rank')} of a full {cfg.name} layer at context {args.context:,}"
     check_memory(need, what, "--world-size or --context")
