@@ -107,7 +107,7 @@ def run_cache(args) -> int:
 
 def v4_capacity_from_args(cfg: V4Config, args) -> dict | None:
     """`--memory` (with --tp, --cp, --weights-memory, --weights-dtype): the V4 capacity table."""
-    from mlakit.commands.capacity import parse_bytes
+    from mlakit.commands.capacity import parse_bytes, weights_from_args, with_disk_source
     from mlakit.cost.v4_capacity import v4_capacity
 
     if args.memory is None:
@@ -115,8 +115,9 @@ def v4_capacity_from_args(cfg: V4Config, args) -> dict | None:
             raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
         return None
     memory = parse_bytes(args.memory, "memory")
-    weights = None if args.weights_memory is None else parse_bytes(args.weights_memory, "weights-memory", 0)
-    return v4_capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype)
+    weights, on_disk = weights_from_args(args)
+    c = v4_capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype)
+    return with_disk_source(c, on_disk)
 
 
 def _per_rank(cfg: V4Config, args) -> dict:
