@@ -66,6 +66,12 @@ CASES = {
     "calibrate-out-folder-is-file": ["calibrate", "--out", "a-file/x.json"],
     "calibrate-out-proc": ["calibrate", "--out", "/proc/nope.json"],
     "calibrate-out-proc-folder": ["calibrate", "--out", "/proc/nope"],
+    "bench-v4": ["bench", "--model", "deepseek-v4-pro", "--out", "v4-out"],
+    "check-v4": ["check", "--model", "deepseek-v4-flash"],
+    "crossover-v4": ["crossover", "--model", "deepseek-v4-pro"],
+    "calibrate-v4": ["calibrate", "--model", "deepseek-v4-pro", "--out", "v4.json"],
+    "cp-check-v4": ["cp-check", "--model", "deepseek-v4-pro"],
+    "calibrate-max-minutes-negative": ["calibrate", "--max-minutes", "-1"],
     "unknown-command": ["frobnicate"],
     "models-bad-flag": ["models", "--bogus"],
 }

@@ -67,7 +67,7 @@ def capacity_from_args(cfg, args, groups) -> dict | None:
 def weights_from_args(args) -> tuple[int | None, dict | None]:
     """(--weights-memory in bytes, or the folder's safetensors bytes, or None; the folder's figures):
     --weights-memory wins, then a --model folder's safetensors headers, then the parameter count."""
-    from mlakit.cost.weights_on_disk import folder_weights
+    from mlakit.commands.weights_on_disk import folder_weights
 
     if args.weights_memory is not None:
         return parse_bytes(args.weights_memory, "weights-memory", 0), None
