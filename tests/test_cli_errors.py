@@ -245,18 +245,28 @@ def test_check_dsa_1m_prefill_refused_before_the_layer_is_built(dsa_folder, caps
 def test_check_says_its_estimate_and_each_phase_when_long(dsa_folder, capsys, monkeypatch):
     import mlakit.commands.check as check
 
-    monkeypatch.setattr("mlakit.bench.machine_state.measure_state", lambda threads: _machine_state(1e5))
+    monkeypatch.setattr("mlakit.bench.machine_state.measure_state", lambda threads: _machine_state(3e4))
     monkeypatch.setattr(check, "_probe_seconds", lambda layer, cfg, n, dtype: 20.0)
-    assert main(["check", "--model", dsa_folder, "--prefill", "600", "--decode-steps", "1"]) == 0
+    assert main(["check", "--model", dsa_folder, "--prefill", "1100", "--decode-steps", "1"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("mlakit check: deepseek_v32 at batch 1, prefill 600 + 1 decode step: about ")
+    assert err[0].startswith("mlakit check: deepseek_v32 at batch 1, prefill 1,100 + 1 decode step: about ")
     assert "at a 512-token prefill's" in err[0]
     assert [line.split(" done in")[0] for line in err[1:]] == [
-        "mlakit check: absorb: prefill of 600 tokens",
+        "mlakit check: absorb: prefill of 1,100 tokens",
         "mlakit check: absorb: 1 decode step",
-        "mlakit check: materialize: prefill of 600 tokens",
+        "mlakit check: materialize: prefill of 1,100 tokens",
         "mlakit check: materialize: 1 decode step",
     ]
+
+
+def test_check_short_prefill_is_not_probed(dsa_folder, capsys, monkeypatch):
+    import mlakit.commands.check as check
+
+    monkeypatch.setattr("mlakit.bench.machine_state.measure_state", lambda threads: _machine_state(3e4))
+    monkeypatch.setattr(check, "_probe_seconds", lambda *a: pytest.fail("a prefill this short is not probed"))
+    assert main(["check", "--model", dsa_folder, "--prefill", "600", "--decode-steps", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "at the probe GEMM's" in err[0] and len(err) == 5
 
 
 def test_check_short_run_is_quiet_and_bad_limit_refused(dsa_folder, capsys):

@@ -68,8 +68,9 @@ def check_duration(cfg, args, state, probe: Callable[[int], float] | None = None
     naming the --prefill that fits; said on stderr from PROGRESS_SECONDS on (with `probe`)."""
     rate, how = gemm_rate(state), "at the probe GEMM's"
     seconds = run_macs(cfg, args.batch, args.prefill, args.decode_steps) / rate
-    if probe is not None and seconds >= PROBE_FROM_SECONDS:
-        tokens = min(PROBE_TOKENS, args.prefill)
+    # a prefill of under two probes' length costs about what the probe would: no probe
+    if probe is not None and seconds >= PROBE_FROM_SECONDS and args.prefill >= 2 * PROBE_TOKENS:
+        tokens = PROBE_TOKENS
         rate, how = run_macs(cfg, 1, tokens, 0) / max(probe(tokens), 1e-9), f"at a {tokens}-token prefill's"
         seconds = run_macs(cfg, args.batch, args.prefill, args.decode_steps) / rate
     macs = run_macs(cfg, args.batch, args.prefill, args.decode_steps)
