@@ -226,3 +226,84 @@ def test_dsa_json_top_level_is_the_sparse_answer(capsys):
         assert "dense_layer" not in run_json(capsys, *argv, "--model", "deepseek-v3")
     d = run_json(capsys, "cost", "--model", "deepseek-v3", "--new", "1")
     assert d["fewer_macs"] == "absorb" and set(d["crossover"]) == {"exact", "asymptotic", "roofline"}
+
+
+# ---- a model folder's weights: summed from its safetensors headers
+
+TINY_HF = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_hidden_layers": 2,
+}
+
+
+def _folder(tmp_path, shards: dict[str, dict[str, tuple]], index: bool) -> int:
+    """Write config.json and safetensors shards of zero tensors; the tensors' bytes in all."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    total, weight_map = 0, {}
+    for file, tensors in shards.items():
+        data = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in tensors.items()}
+        save_file(data, str(tmp_path / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in data.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+    if index:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["files", "index"])
+def test_folder_weights_are_summed_from_safetensors_headers(tmp_path, capsys, monkeypatch, index):
+    import torch
+
+    shards = {
+        "model-00001-of-00002.safetensors": {"a": ((1000, 7), torch.bfloat16), "b": ((3,), torch.float32)},
+        "model-00002-of-00002.safetensors": {"c": ((64, 64), torch.int8)},
+    }
+    total = _folder(tmp_path, shards, index)
+    assert total == 1000 * 7 * 2 + 12 + 4096
+    if index:
+        (tmp_path / "stray.safetensors").write_bytes(b"not listed by the index")
+    monkeypatch.setattr("safetensors.safe_open", lambda *a, **k: pytest.fail("a tensor was opened"))
+    d = run_json(capsys, "cache", "--model", str(tmp_path), "--memory", "1GB", "--context", "4K")
+    w = d["capacity"]["weights"]
+    assert w["source"] == "safetensors" and w["bytes"] == total and w["files"] == 2
+    assert d["capacity"]["free_bytes_per_rank"] == 10**9 - total
+    assert main(["cache", "--model", str(tmp_path / "config.json"), "--memory", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"(summed from the headers of the 2 safetensors files in {tmp_path})" in out
+    given = run_json(capsys, "cache", "--model", str(tmp_path), "--memory", "1GB", "--weights-memory", "5MB")
+    assert given["capacity"]["weights"] == {
+        "source": "given",
+        "parameters": None,
+        "dtype": None,
+        "bytes": 5 * 10**6,
+        "bytes_per_rank": 5 * 10**6,
+    }
+
+
+def test_folder_without_safetensors_still_asks_for_weights_memory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    assert main(["cache", "--model", str(tmp_path), "--memory", "1GB"]) == 2
+    assert "--weights-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [(b"\x05", "not a safetensors header"), (b"\x04\x00\x00\x00\x00\x00\x00\x00[12]", "not a JSON object")],
+    ids=["short", "list-header"],
+)
+def test_broken_safetensors_header_is_one_line(tmp_path, capsys, content, match):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    (tmp_path / "model.safetensors").write_bytes(content)
+    assert main(["cache", "--model", str(tmp_path), "--memory", "1GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and match in err and "model.safetensors" in err

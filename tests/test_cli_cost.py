@@ -204,3 +204,26 @@ def test_profile_measures_and_caches(capsys, tmp_path, monkeypatch):
     expand_k = r["terms"]["materialize"]["expand_k"]
     assert expand_k["compute_s"] == pytest.approx(2 * expand_k["macs"] / 5e10)
     assert expand_k["memory_s"] == pytest.approx(expand_k["bytes"] / 1e10)
+
+
+@pytest.mark.parametrize(
+    "argv,want,not_want",
+    [
+        (["cost", "--context", "4K", "--new", "1"], "1 new token over", "1 new tokens"),
+        (
+            ["cost", "--model", "deepseek-v4-flash", "--context", "4K", "--new", "1"],
+            "1 new token over",
+            "1 new tokens",
+        ),
+        (["cost", "--context", "4K", "--new", "2"], "2 new tokens over", None),
+        (["cache", "--context", "1"], "sequence of 1 token", "1 tokens"),
+        (["cache", "--model", "deepseek-v4-pro", "--context", "1"], "sequence of 1 token", "1 tokens"),
+    ],
+    ids=["cost-1", "cost-v4-1", "cost-2", "cache-1", "cache-v4-1"],
+)
+def test_counts_of_one_are_singular(argv, want, not_want, capsys):
+    from mlakit.cli import main
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert want in out and (not_want is None or not_want not in out)

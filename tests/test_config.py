@@ -300,6 +300,42 @@ def test_from_hf_bad_source(source):
         MLAConfig.from_hf(source)
 
 
+class _BrokenConfig:
+    """A config object whose to_dict() returns `value` (a list, None, a string...) instead of a dict."""
+
+    def __init__(self, value, text=None):
+        self.value, self.text = value, text
+
+    def to_dict(self):
+        return self.value
+
+    def get_text_config(self):
+        return self.text
+
+
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        (_BrokenConfig([1, 2]), "to_dict\\(\\) returned a list, expected a dict"),
+        (_BrokenConfig(None), "to_dict\\(\\) returned a NoneType, expected a dict"),
+        (_BrokenConfig("kv_lora_rank"), "to_dict\\(\\) returned a str, expected a dict"),
+        (_BrokenConfig({}, text=_BrokenConfig([3])), "to_dict\\(\\) returned a list"),
+        (_BrokenConfig({}, text=None), "NoneType has no callable to_dict"),
+    ],
+    ids=["list", "none", "str", "text-config-list", "text-config-none"],
+)
+def test_from_hf_broken_config_object_is_a_value_error(source, match):
+    with pytest.raises(ValueError, match=match):
+        MLAConfig.from_hf(source)
+
+
+@pytest.mark.parametrize("top", ["[1, 2]", "null", '"deepseek"', "7"], ids=["list", "null", "str", "int"])
+def test_from_hf_config_json_top_level_not_an_object(tmp_path, top):
+    (tmp_path / "config.json").write_text(top)
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object"):
+        MLAConfig.from_hf(tmp_path)
+
+
 def test_resolve(v3_folder):
     assert MLAConfig.resolve("deepseek-v3") == MLAConfig.preset("deepseek-v3")
     assert MLAConfig.resolve(str(v3_folder)) == MLAConfig.preset("deepseek-v3")

@@ -233,3 +233,35 @@ def test_bench_names_the_torch_core_where_the_widths_do_not_fit(monkeypatch):
         "fused-avx512bf16",
         None,
     )
+
+
+@pytest.mark.parametrize(
+    "result,last",
+    [
+        ((None, False), "mlakit: fused CPU decode core built in 0 s ("),
+        (
+            ("cannot compile latent_decode.cpp: error: bad\nmore", True),
+            "mlakit: fused CPU decode core not built "
+            "(cannot compile latent_decode.cpp: error: bad); the torch path runs",
+        ),
+    ],
+    ids=["built", "failed"],
+)
+def test_the_build_says_when_it_starts_and_ends(monkeypatch, tmp_path, capsys, result, last):
+    monkeypatch.setenv("MLAKIT_CPU_CORE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_core, "cpu_has_bf16", lambda: True)
+    calls = []
+    monkeypatch.setattr(cpu_core, "_build", lambda lib: calls.append(lib) or result)
+    cpu_core._load()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "mlakit: building the fused CPU decode core (once, ~1 min) ..."
+    assert len(err) == 2 and err[1].startswith(last) and len(calls) == 1
+
+
+def test_a_built_core_loads_without_a_build_message(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MLAKIT_CPU_CORE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_core, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(cpu_core, "_build", lambda lib: pytest.fail("built again"))
+    (cpu_core._build_dir() / "mlakit_cpu_core.so").write_bytes(b"not a library")
+    ok, why = cpu_core._load()
+    assert not ok and "cannot load" in why and capsys.readouterr().err == ""

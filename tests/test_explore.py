@@ -185,19 +185,29 @@ def test_bench_json_cannot_close_the_script():
 # --- in headless Chromium
 
 
-def _chromium() -> tuple[str, str] | None:
+def _chromium() -> tuple[str | None, str | None]:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
+    return browser, shutil.which("chromedriver")
+
+
+def missing_browser_parts(browser: str | None, driver: str | None) -> str | None:
+    """The skip reason naming exactly what is missing (the browser, its driver or both), or None."""
+    missing = [name for name, path in (("chromium", browser), ("chromedriver", driver)) if path is None]
+    if not missing:
+        return None
+    packages = {"chromium": "chromium", "chromedriver": "chromium-driver"}
+    return (
+        f"{' and '.join(missing)} not found on PATH (apt-get install "
+        f"{' '.join(packages[m] for m in missing)}; .ci/run does)"
+    )
 
 
 @pytest.fixture(scope="module")
 def driver():
     found = _chromium()
-    if found is None:
-        pytest.skip(
-            "headless Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does)"
-        )
+    reason = missing_browser_parts(*found)
+    if reason is not None:
+        pytest.skip(reason)
     webdriver = pytest.importorskip(
         "selenium.webdriver", reason="selenium is not installed (pip install -e .[dev])"
     )
@@ -1041,3 +1051,18 @@ def test_capacity_panel_refuses_visibly(page):
     assert (
         s["error"] == "" and s["free"] == "none" and "give the weights' memory" in s["note"] and not s["rows"]
     )
+
+
+@pytest.mark.parametrize(
+    "browser,driver_path,want",
+    [
+        (None, None, "chromium and chromedriver not found on PATH (apt-get install chromium chromium-driver"),
+        ("/usr/bin/chromium", None, "chromedriver not found on PATH (apt-get install chromium-driver;"),
+        (None, "/usr/bin/chromedriver", "chromium not found on PATH (apt-get install chromium;"),
+        ("/usr/bin/chromium", "/usr/bin/chromedriver", None),
+    ],
+    ids=["neither", "no-driver", "no-browser", "both"],
+)
+def test_browser_skip_names_what_is_missing(browser, driver_path, want):
+    got = missing_browser_parts(browser, driver_path)
+    assert got == want if want is None else got.startswith(want)

@@ -106,3 +106,81 @@ def test_cli_cost_says_roofline_flags_are_ignored_on_v4():
     assert out.returncode == 0 and json.loads(out.stdout) == json.loads(plain.stdout)
     assert len(out.stderr.strip().splitlines()) == 1
     assert "--machine, --counting, --fused ignored" in out.stderr
+
+
+# ---- the MLA-only commands, and the V4 capacity table
+
+
+@pytest.mark.parametrize("cmd", ["crossover", "check", "bench", "calibrate", "cp-check"])
+@pytest.mark.parametrize("model", ["deepseek-v4-pro", "folder"], ids=["preset", "folder"])
+def test_mla_only_commands_say_what_v4_has(cmd, model, tmp_path, capsys):
+    from mlakit.cli import main
+
+    if model == "folder":
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **FLASH_JSON}))
+        model = str(tmp_path)
+    assert main([cmd, "--model", model]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"mlakit {cmd}: error: --model {model!r} is a DeepSeek-V4 model")
+    assert f"`mlakit cost --model {model}`" in err and f"`mlakit cache --model {model}`" in err
+    assert "neither a preset" not in err
+
+
+FLASH_JSON = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "num_hidden_layers": 43,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
+
+
+def test_v4_capacity_arithmetic():
+    from mlakit.cost.v4_capacity import sequence_bytes_per_rank, v4_capacity
+
+    for d in ("bf16", "fp8"):
+        assert sequence_bytes_per_rank(PRO, M, 1, d)["total"] == sequence_bytes(PRO, M, d)["total"]
+    two = sequence_bytes_per_rank(PRO, M + 7, 2, "bf16")["per_layer_type"]
+    assert two["compressed_sparse_attention"]["compressed_entries"] == -(-((M + 7) // 4) // 2)
+    assert two["heavily_compressed_attention"]["compressed_entries"] == M // 128 // 2
+    assert two["sliding_attention"] == {"window_entries": 128, "compressed_entries": 0, "bytes": 128 * 1024}
+    c = v4_capacity(PRO, M, 141 * 10**9, tp=8, cp=2, weights_dtype="int4")
+    assert c["weights"]["bytes_per_rank"] == 1.6e12 * 0.5 / 8
+    free = 141 * 10**9 - 10**11
+    for name, d in (("v4-bf16", "bf16"), ("v4-fp8", "fp8")):
+        per_seq = sequence_bytes_per_rank(PRO, M, 2, d)["total"]
+        assert c["caches"][name]["sequences_per_rank"] == free // per_seq
+    assert (
+        c["caches"]["v4-bf16"]["sequences_per_rank"] == 7
+        and c["caches"]["v4-fp8"]["sequences_per_rank"] == 13
+    )
+    assert v4_capacity(PRO, M, 141 * 10**9, tp=8)["free_bytes_per_rank"] == 0  # bf16 weights: 400 GB a rank
+    with pytest.raises(ValueError, match="tp=256 exceeds the 128 heads"):
+        v4_capacity(PRO, M, 10**12, tp=256)
+
+
+def test_cli_cache_v4_capacity_uses_memory_tp_cp():
+    args = ["cache", "--model", "deepseek-v4-pro", "--context", "1M", "--memory", "141GB", "--tp", "8"]
+    out = _run(*args, "--cp", "2", "--weights-dtype", "int4")
+    assert out.returncode == 0 and out.stderr == ""
+    assert "capacity per rank (tp=8 cp=2) of 141 GB" in out.stdout
+    assert "v4-bf16" in out.stdout and "floor(41.0 GB / 5.17 GB)" in out.stdout
+    r = json.loads(_run(*args, "--cp", "2", "--weights-dtype", "int4", "--json").stdout)
+    assert r["capacity"]["caches"]["v4-fp8"]["sequences_per_rank"] == 13
+    assert r["per_rank"] == {"cp": 2, "tp": 8, "bytes_per_sequence_max_rank": 5171183616}
+    full = _run(*args, "--cp", "2")
+    assert "the weights alone fill the memory" in full.stdout
+
+
+def test_cli_cache_v4_per_rank_without_memory_and_ignored_flags():
+    out = _run("cache", "--model", "deepseek-v4-flash", "--context", "128K", "--cp", "4", "--gqa-groups", "2")
+    assert out.returncode == 0
+    assert "per rank at cp=4 tp=1" in out.stdout
+    assert out.stderr.strip() == (
+        "mlakit cache: --gqa-groups ignored for a V4 model (it is compared with V3.2 and V3, "
+        "not with GQA layouts of its widths)"
+    )
+    bad = _run("cache", "--model", "deepseek-v4-flash", "--context", "128K", "--weights-memory", "1GB")
+    assert bad.returncode == 2 and "--weights-memory needs --memory" in bad.stderr

@@ -113,6 +113,41 @@ def test_config_refusals_name_the_field(field, value):
         V4Config(**kw)
 
 
+def test_o_groups_must_split_whole_heads_in_constructor_and_from_hf():
+    """6 heads in 4 groups: num_heads * head_dim divides by 4, the heads do not; both entry points refuse."""
+    kw = V4Config.from_hf(CFG).to_dict() | {"num_heads": 6, "o_groups": 4}
+    with pytest.raises(ValueError, match=r"o_groups must divide num_heads \(6\).*got 4"):
+        V4Config(**kw)
+    hf = CFG.to_dict() | {"num_attention_heads": 6, "o_groups": 4}
+    with pytest.raises(ValueError, match=r"o_groups must divide num_heads \(6\).*got 4"):
+        V4Config.from_hf(hf)
+    assert V4Config.from_hf(hf | {"o_groups": 3}).o_groups == 3
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("layer_types", {"a": 1}),
+        ("layer_types", 3.5),
+        ("compress_rates", [1]),
+        ("compress_rates", 4),
+        ("rope_parameters", None),
+        ("partial_rotary_factor", [1]),
+    ],
+    ids=["types-dict", "types-float", "rates-list", "rates-int", "no-rope-then-bad-scaling", "factor-list"],
+)
+def test_from_hf_wrong_json_kinds_are_value_errors(key, value):
+    d = CFG.to_dict()
+    d[key] = value
+    if key == "rope_parameters":
+        d["rope_scaling"] = [1]
+        key = "rope_scaling"
+    if key == "partial_rotary_factor":
+        d.pop("qk_rope_head_dim", None)
+    with pytest.raises(ValueError, match=key):
+        V4Config.from_hf(d)
+
+
 def test_layer_refusals():
     cfg = V4Config.from_hf(CFG)
     with pytest.raises(ValueError, match="layer_idx"):

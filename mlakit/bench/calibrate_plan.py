@@ -13,6 +13,7 @@ import math
 
 from mlakit.bench.costs import row_terms
 from mlakit.bench.timing import Timing
+from mlakit.commands.time_limit import format_duration as format_duration  # re-exported
 from mlakit.config import MLAConfig
 from mlakit.cost import MachineProfile, term_times
 
@@ -54,13 +55,6 @@ def estimate_seconds(
         for call_s in step_seconds(cfg, machine, dtype, batch, cached, new).values():
             total += cell_seconds(call_s, timing)
     return total
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s"
 
 
 def failed_checks(points, max_new: int) -> list[str]:

@@ -29,6 +29,8 @@ from mlakit.bench.run import torch_threads
 from mlakit.bench.sweep import gate, time_cell
 from mlakit.bench.timing import DEFAULT_TIMING, Timing, time_interleaved
 from mlakit.calibration import CrossoverProfile, profile_path, widths_of
+from mlakit.commands import plural
+from mlakit.commands.time_limit import check_time_limit, over_limit
 from mlakit.config import MLAConfig
 from mlakit.cost import measured_crossover
 
@@ -49,6 +51,7 @@ class CalibrateOptions:
     progress: bool = True
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None: torch's setting
+    max_minutes: float = 60.0  # refuse, before any cell is timed, a longer search estimate (0: never)
 
 
 QUICK_CONTEXTS = (256, 1024)
@@ -181,12 +184,33 @@ def _announce(cfg: MLAConfig, machine, opts: CalibrateOptions) -> None:
     counts = _counts(opts.step, opts.max_new)
     est = estimate_seconds(cfg, machine, opts.dtype, opts.batch, opts.contexts, counts, opts.timing)
     contexts = len(set(opts.contexts))
+    cells = f"up to {plural(contexts * len(counts), 'cell')}"
+    how = "roofline on the peaks just measured, every count up to --max-new timed"
+    if over_limit(est, opts.max_minutes):
+        fits = _max_new_that_fits(cfg, machine, opts)
+        lower = f"--max-new ({fits} fits)" if fits else "--context or --batch"
+        check_time_limit(est, opts.max_minutes, f"calibrate of {cfg.name}, {cells},", how, lower)
+    grid = f"{plural(contexts, 'context')} x {plural(len(counts), 'new-token count')}"
     sys.stderr.write(
-        f"mlakit calibrate: up to {contexts * len(counts)} cells ({contexts} contexts x {len(counts)} "
-        f"new-token counts, both paths) and their re-timings; expected about {format_duration(est)} "
-        "(roofline on the peaks just measured; noisy cells take up to 3x)\n"
+        f"mlakit calibrate: {cells} ({grid}, both paths) and their re-timings; expected about "
+        f"{format_duration(est)} at most ({how}; the search stops once materialize wins twice; noisy "
+        "cells take up to 3x)\n"
     )
     sys.stderr.flush()
+
+
+def _max_new_that_fits(cfg: MLAConfig, machine, opts: CalibrateOptions) -> int | None:
+    """The largest search count (1, step, step², ...) whose estimate is within --max-minutes."""
+    from mlakit.bench.calibrate_plan import estimate_seconds
+
+    fits = None
+    for n in _counts(opts.step, opts.max_new):
+        counts = _counts(opts.step, n)
+        est = estimate_seconds(cfg, machine, opts.dtype, opts.batch, opts.contexts, counts, opts.timing)
+        if over_limit(est, opts.max_minutes):
+            break
+        fits = n
+    return fits
 
 
 def _machine(device: str):

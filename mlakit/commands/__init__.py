@@ -9,6 +9,11 @@ import math
 import sys
 
 
+def plural(n: int, word: str) -> str:
+    """'1 new token', '2 new tokens', '1,024 tokens': the count with its noun, plural unless 1."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def emit_json(obj) -> None:
     """Print `obj` as strict JSON (never NaN or Infinity); ValueError naming the first bad key."""
     bad = _non_finite(obj, "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 
 # a context beyond this is not a sequence any model serves; it also keeps float arithmetic finite
 MAX_TOKENS = 1 << 40
@@ -45,10 +46,28 @@ def count_type(name: str, low: int = 0, high: int = MAX_TOKENS):
     return convert
 
 
-def resolve_model(value: str):
-    """MLAConfig for --model (a preset, a config.json or a folder), with the file named on a bad file."""
+# why a command that runs MLA's two paths has nothing to run on a DeepSeek-V4 model
+_V4_HAS_NO = {
+    "crossover": "no absorb/materialize crossover",
+    "check": "no absorb and materialize paths to compare",
+    "bench": "no absorb/materialize backends to time (benchmarks/v4_decode.py times V4's layer)",
+    "calibrate": "no absorb/materialize crossover to calibrate",
+    "cp-check": "no latent cache for context parallelism to split",
+}
+
+
+def resolve_model(value: str, command: str | None = None):
+    """MLAConfig for --model (a preset, a config.json or a folder), with the file named on a bad file;
+    a DeepSeek-V4 model is refused naming what `command` would need and where V4 is covered."""
+    from mlakit.commands.v4 import is_v4
     from mlakit.config import MLAConfig
 
+    if command in _V4_HAS_NO and is_v4(value):
+        raise ValueError(
+            f"--model {value!r} is a DeepSeek-V4 model (one shared K = V head over a window and compressed "
+            f"entries, no MLA latent): {_V4_HAS_NO[command]}; `mlakit cost --model {value}` gives its "
+            f"terms and `mlakit cache --model {value}` its cache and capacity (docs/v4.md)"
+        )
     try:
         return MLAConfig.resolve(value)
     except json.JSONDecodeError as err:
@@ -66,21 +85,17 @@ def _json_file(value: str) -> str:
 
 
 def check_out_dir(value: str, flag: str = "--out") -> None:
-    """A folder we can create or write into; checked before any measuring, creates nothing."""
+    """A folder we can create or write into; checked before any measuring by writing a probe file (and
+    any missing folders), all removed again: permission bits alone pass /proc/nope for root."""
     if not value:
         raise ValueError(f"{flag} must name a folder, got an empty string")
     path = os.path.abspath(value)
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise ValueError(f"{flag} {value!r} is an existing file; it must be a folder (or not exist)")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {value!r}: folder is not writable")
-        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {value!r} is an existing file; it must be a folder (or not exist)")
     parent = _existing_parent(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {value!r}: {parent!r} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {value!r}: cannot create it, {parent!r} is not writable")
+    _probe_writable(path, parent, value, flag)
 
 
 def check_out_file(value: str, flag: str = "--out") -> None:
@@ -93,8 +108,36 @@ def check_out_file(value: str, flag: str = "--out") -> None:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {value!r}: folder {parent!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{flag} {value!r}: not writable")
+    _probe_writable(parent, parent, value, flag)
+
+
+def _probe_writable(path: str, existing: str, value: str, flag: str) -> None:
+    """Make the missing folders from `existing` down to `path`, write and delete a file there, then
+    remove the folders made: a ValueError naming the flag if any step fails."""
+    made = []
+    try:
+        for folder in _missing_folders(existing, path):
+            os.mkdir(folder)
+            made.append(folder)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        what = "cannot write into it" if os.path.isdir(path) else "cannot create it"
+        raise ValueError(f"{flag} {value!r}: {what} ({err.strerror or err})") from None
+    finally:
+        for folder in reversed(made):
+            os.rmdir(folder)
+
+
+def _missing_folders(existing: str, path: str) -> list[str]:
+    """The folders between `existing` (excluded) and `path` (included), top first."""
+    out = []
+    while path != existing and path != os.path.dirname(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out[::-1]
 
 
 def _existing_parent(path: str) -> str:

@@ -72,7 +72,7 @@ def options(args):
         if not all(backends):
             raise ValueError(f"--backends takes comma-separated backend names, got {args.backends!r}")
     return BenchOptions(
-        model=resolve_model(args.model),
+        model=resolve_model(args.model, "bench"),
         dtype=args.dtype,
         device=args.device,
         grid=grid,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.commands import v4 as _v4
 from mlakit.commands.args import resolve_model
 from mlakit.commands.capacity import add_capacity_args, capacity_from_args, print_capacity
@@ -63,7 +63,10 @@ def run(args) -> int:
     if args.json:
         emit_json(r)
         return 0
-    print(f"{cfg.name}: {cfg.num_layers} layers, {args.dtype} cache, sequence of {args.context:,} tokens")
+    print(
+        f"{cfg.name}: {plural(cfg.num_layers, 'layer')}, {args.dtype} cache, "
+        f"sequence of {plural(args.context, 'token')}"
+    )
     head = ("values/token/layer", "bytes/token/layer", "per token", "per sequence")
     print(f"{'cache':<12} {head[0]:>19} {head[1]:>18} {head[2]:>11} {head[3]:>13}")
     for name, values in r["values_per_token_per_layer"].items():

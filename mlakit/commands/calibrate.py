@@ -11,6 +11,7 @@ from mlakit.commands.args import (
     positive,
     resolve_model,
 )
+from mlakit.commands.time_limit import add_time_limit_arg, check_max_minutes
 
 
 def register(sub) -> None:
@@ -40,14 +41,16 @@ def register(sub) -> None:
     )
     p.add_argument("--out", help="profile file (.json) or folder (default: the user's cache folder)")
     p.add_argument("--quick", action="store_true", help="two contexts, fewer repeats")
+    add_time_limit_arg(p, 60)
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_max_minutes(args.max_minutes)
     positive(args, "threads")
     contexts = parse_count_list(args.context, "context", 0, 1 << 24) if args.context is not None else None
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, "calibrate")
     if args.out is not None:
         (check_out_file if args.out.endswith(".json") else check_out_dir)(args.out)
     from mlakit.bench.calibrator import QUICK_CONTEXTS, CalibrateOptions, calibrate, output_path
@@ -65,6 +68,7 @@ def run(args) -> int:
         max_new=args.max_new,
         timing=QUICK_TIMING if args.quick else DEFAULT_TIMING,
         threads=args.threads,
+        max_minutes=args.max_minutes,
     )
     path = output_path(args.out, opts.model, dtype, device)
     profile, _ = calibrate(opts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from mlakit.commands import plural
 from mlakit.cost import format_bytes
 from mlakit.cost.capacity import WEIGHT_BYTES, capacity
 
@@ -58,16 +59,37 @@ def capacity_from_args(cfg, args, groups) -> dict | None:
             raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
         return None
     memory = parse_bytes(args.memory, "memory")
-    weights = None if args.weights_memory is None else parse_bytes(args.weights_memory, "weights-memory", 0)
-    return capacity(
-        cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype, groups
-    )
+    weights, on_disk = weights_from_args(args)
+    c = capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype, groups)
+    return with_disk_source(c, on_disk)
 
 
-def print_capacity(c: dict) -> None:
+def weights_from_args(args) -> tuple[int | None, dict | None]:
+    """(--weights-memory in bytes, or the folder's safetensors bytes, or None; the folder's figures):
+    --weights-memory wins, then a --model folder's safetensors headers, then the parameter count."""
+    from mlakit.commands.weights_on_disk import folder_weights
+
+    if args.weights_memory is not None:
+        return parse_bytes(args.weights_memory, "weights-memory", 0), None
+    on_disk = folder_weights(args.model)
+    return (None, None) if on_disk is None else (on_disk["bytes"], on_disk)
+
+
+def with_disk_source(c: dict, on_disk: dict | None) -> dict:
+    """Mark the weights as summed from the folder's safetensors (not given by --weights-memory)."""
+    if on_disk is not None:
+        c["weights"].update(source="safetensors", files=on_disk["files"], folder=on_disk["folder"])
+    return c
+
+
+def print_weights_line(c: dict) -> None:
+    """Weights, their share per rank, and the free memory: the first line of every capacity table."""
     w = c["weights"]
     if w["source"] == "given":
         how = f"{format_bytes(w['bytes'])} (--weights-memory)"
+    elif w["source"] == "safetensors":
+        files = plural(w["files"], "safetensors file")
+        how = f"{format_bytes(w['bytes'])} (summed from the headers of the {files} in {w['folder']})"
     else:
         per = f"{WEIGHT_BYTES[w['dtype']]} B ({w['dtype']})"
         how = f"{w['parameters']:.4g} parameters × {per} = {format_bytes(w['bytes'])}"
@@ -78,10 +100,14 @@ def print_capacity(c: dict) -> None:
         f"free {format_bytes(c['memory_bytes'])} - {format_bytes(w['bytes_per_rank'])} = "
         f"{format_bytes(c['free_bytes_per_rank'])}"
     )
+
+
+def print_capacity(c: dict) -> None:
+    print_weights_line(c)
     print(
-        f"a sequence of {c['context']:,} tokens keeps {c['tokens_per_rank']:,} on the fullest cp rank; "
-        f"sequences = floor(free / (B/token/layer × {c['num_layers']} layers × "
-        f"{c['tokens_per_rank']:,} tokens))"
+        f"a sequence of {plural(c['context'], 'token')} keeps {c['tokens_per_rank']:,} on the fullest cp "
+        f"rank; sequences = floor(free / (B/token/layer × {plural(c['num_layers'], 'layer')} × "
+        f"{plural(c['tokens_per_rank'], 'token')}))"
     )
     head = f"{'cache':<17} {'dtype':>5} {'B/token/layer':>13} {'per sequence':>13} {'sequences':>10}"
     print(f"{head}  arithmetic")

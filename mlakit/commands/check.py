@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.commands.args import check_memory, count_type, resolve_model
+from mlakit.commands.check_time import MAX_MINUTES, PROGRESS_SECONDS, check_duration, say
 from mlakit.commands.memory import check_run_bytes
+from mlakit.commands.time_limit import add_time_limit_arg, check_max_minutes
 
 DTYPES = ("bf16", "fp32")
 VALUE_BYTES = {"fp32": 4, "bf16": 2}
@@ -35,12 +37,14 @@ def register(sub) -> None:
     p.add_argument(
         "--threads", type=int, help="torch threads (default: chosen as mlakit bench does: load and a probe)"
     )
+    add_time_limit_arg(p, MAX_MINUTES)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
-def run_path(layer, cfg, mode, prompt, steps, dtype):
-    """Prefill then decode in one mode; returns outputs and seconds of each phase."""
+def run_path(layer, cfg, mode, prompt, steps, dtype, verbose=False):
+    """Prefill then decode in one mode; returns outputs and seconds of each phase (said on stderr
+    as each phase ends when `verbose`)."""
     import torch
 
     from mlakit.cache.contiguous import LatentCache
@@ -52,9 +56,13 @@ def run_path(layer, cfg, mode, prompt, steps, dtype):
         t0 = time.perf_counter()
         outs.append(layer(prompt, cache, mode=mode))
         t1 = time.perf_counter()
+        if verbose:
+            say(f"{mode}: prefill of {plural(prompt.shape[1], 'token')} done in {t1 - t0:.1f} s")
         for x in steps:
             outs.append(layer(x, cache, mode=mode))
         t2 = time.perf_counter()
+        if verbose and steps:
+            say(f"{mode}: {plural(len(steps), 'decode step')} done in {t2 - t1:.1f} s")
     return outs, t1 - t0, (t2 - t1) / max(1, len(steps))
 
 
@@ -74,6 +82,14 @@ def dsa_bytes(cfg, batch: int, prefill: int, steps: int, value_bytes: int) -> in
     )
 
 
+def _probe_seconds(layer, cfg, prefill: int, dtype) -> float:
+    """Seconds of one batch-1 prefill of `prefill` tokens in each path (what the estimate scales)."""
+    import torch
+
+    prompt = torch.randn(1, prefill, cfg.hidden_size, dtype=dtype)
+    return sum(sum(run_path(layer, cfg, mode, prompt, [], dtype)[1:]) for mode in ("absorb", "materialize"))
+
+
 def rel_diff(a: list, b: list) -> float:
     num = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
     den = max(float(y.float().abs().max()) for y in b)
@@ -81,12 +97,13 @@ def rel_diff(a: list, b: list) -> float:
 
 
 def run(args) -> int:
+    check_max_minutes(args.max_minutes)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     for name in ("prefill", "decode_steps", "batch"):
         if getattr(args, name) < (0 if name == "decode_steps" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    cfg = resolve_model(args.model)
+    cfg = resolve_model(args.model, "check")
     need = check_run_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     need += dsa_bytes(cfg, args.batch, args.prefill, args.decode_steps, VALUE_BYTES[args.dtype])
     check_memory(need, f"{cfg.name} at batch {args.batch}, prefill {args.prefill:,}", "--batch or --prefill")
@@ -97,11 +114,14 @@ def run(args) -> int:
 
     state = measure_state(args.threads)  # bench's choice: 1 thread when the cores are busy
     torch.set_num_threads(state.threads)
+    check_duration(cfg, args, state)  # the GEMM rate's lower bound: refused before the layer is built
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     layer = MLAAttention(cfg, dtype=dtype).eval()
     build_s = time.perf_counter() - t0
+    seconds = check_duration(cfg, args, state, lambda n: _probe_seconds(layer, cfg, n, dtype))
+    verbose = seconds >= PROGRESS_SECONDS
     prompt = torch.randn(args.batch, args.prefill, cfg.hidden_size, dtype=dtype)
     steps = [torch.randn(args.batch, 1, cfg.hidden_size, dtype=dtype) for _ in range(args.decode_steps)]
     result = {"model": cfg.name, "dtype": args.dtype, "batch": args.batch, "prefill": args.prefill}
@@ -110,7 +130,7 @@ def run(args) -> int:
     result["threads_reason"] = state.reason
     outs = {}
     for mode in ("absorb", "materialize"):
-        outs[mode], prefill_s, decode_s = run_path(layer, cfg, mode, prompt, steps, dtype)
+        outs[mode], prefill_s, decode_s = run_path(layer, cfg, mode, prompt, steps, dtype, verbose)
         result[mode] = {"prefill_ms": prefill_s * 1e3, "decode_ms_per_step": decode_s * 1e3}
     result["max_rel_diff"] = rel_diff(outs["absorb"], outs["materialize"])
     result["build_s"] = build_s
@@ -118,9 +138,9 @@ def run(args) -> int:
         emit_json(result)
         return 0
     print(
-        f"{cfg.name}: {cfg.num_heads} heads, latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, {args.dtype}, "
-        f"batch {args.batch}, prefill {args.prefill} + {args.decode_steps} decode steps, "
-        f"{result['threads']} threads"
+        f"{cfg.name}: {plural(cfg.num_heads, 'head')}, latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, "
+        f"{args.dtype}, batch {args.batch}, prefill {args.prefill} + "
+        f"{plural(args.decode_steps, 'decode step')}, {plural(result['threads'], 'thread')}"
     )
     print(f"threads: {result['threads_reason']}")
     print(f"{'path':<12} {'prefill ms':>11} {'decode ms/step':>15}")

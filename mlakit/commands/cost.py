@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.commands import v4 as _v4
 from mlakit.commands.args import count_type, resolve_model
 from mlakit.cost import (
@@ -125,7 +125,7 @@ def _note_v4_ignored(args) -> None:
 
 def print_report(r: dict) -> None:
     print(
-        f"{r['model']}: {r['new']:,} new tokens over {r['context']:,} cached, {r['dtype']} cache, "
+        f"{r['model']}: {plural(r['new'], 'new token')} over {r['context']:,} cached, {r['dtype']} cache, "
         f"{r['counting']} counting, roofline on {r['machine']['name']} (per layer, per sequence)"
     )
     if "sparse" in r:

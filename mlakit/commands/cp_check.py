@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.commands.args import check_memory, count_type, resolve_model
 from mlakit.commands.memory import cp_check_bytes
 from mlakit.commands.ranks import DEFAULT_BLOCK_SIZE
@@ -60,9 +60,9 @@ def check_args(args) -> MLAConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if not 0 < args.timeout < 1e6:
         raise ValueError(f"--timeout must be > 0 seconds (and under 1e6), got {args.timeout}")
-    cfg = resolve_model(args.model)
+    cfg = resolve_model(args.model, "cp-check")
     need = cp_check_bytes(cfg, args.world_size, args.context, args.decode_steps, args.prefill_chunk)
-    what = f"{args.world_size} ranks of a full {cfg.name} layer at context {args.context:,}"
+    what = f"{plural(args.world_size, 'rank')} of a full {cfg.name} layer at context {args.context:,}"
     check_memory(need, what, "--world-size or --context")
     if args.world_size > (os.cpu_count() or 1) * 8:
         raise ValueError(

@@ -92,7 +92,7 @@ def band_text(band) -> str:
 
 
 def run(args) -> int:
-    cfg = resolve_model(args.model)
+    cfg = resolve_model(args.model, "crossover")
     machine = machine_from_arg(args.machine) if args.machine else None
     r = crossover_result(cfg, args.context, args.counting, machine, args.dtype)
     if args.json:

@@ -18,8 +18,8 @@ def owned_tokens(length: int, rank: int, world_size: int, block_size: int) -> in
     return blocks * block_size + (tail if full % world_size == rank else 0)
 
 
-def per_rank_cache_bytes(cfg: MLAConfig, context: int, value_bytes: float, cp: int, tp: int) -> list[int]:
-    """Latent bytes per rank (rank = c·tp + t) for one sequence of `context` tokens over all layers."""
+def check_ranks(cfg, cp: int, tp: int) -> None:
+    """cp and tp positive integers, at most MAX_RANKS in all, tp at most the heads (MLA or V4)."""
     for name, value in (("cp", cp), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -27,6 +27,11 @@ def per_rank_cache_bytes(cfg: MLAConfig, context: int, value_bytes: float, cp: i
         raise ValueError(f"--cp × --tp must be at most {MAX_RANKS:,} ranks, got {cp} × {tp} = {cp * tp:,}")
     if tp > cfg.num_heads:
         raise ValueError(f"tp={tp} exceeds the {cfg.num_heads} heads of {cfg.name}")
+
+
+def per_rank_cache_bytes(cfg: MLAConfig, context: int, value_bytes: float, cp: int, tp: int) -> list[int]:
+    """Latent bytes per rank (rank = c·tp + t) for one sequence of `context` tokens over all layers."""
+    check_ranks(cfg, cp, tp)
     per_token = cfg.latent_dim * value_bytes * cfg.num_layers
     shards = [math.ceil(owned_tokens(context, c, cp, DEFAULT_BLOCK_SIZE) * per_token) for c in range(cp)]
     return [shards[c] for c in range(cp) for _ in range(tp)]

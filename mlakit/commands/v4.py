@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
-from mlakit.commands import emit_json
+from mlakit.commands import emit_json, plural
 from mlakit.cost import format_bytes
 from mlakit.cost.v4 import TERMS, v4_report
 from mlakit.v4.config import LAYER_TYPES, V4_PRESETS, V4Config
@@ -45,7 +46,7 @@ def run_cost(args) -> int:
         emit_json(r)
         return 0
     print(
-        f"{cfg.name}: {args.new:,} new tokens over {args.context:,} cached, {args.dtype} cache "
+        f"{cfg.name}: {plural(args.new, 'new token')} over {args.context:,} cached, {args.dtype} cache "
         f"(multiply-adds and cache bytes read per layer, per sequence)"
     )
     kinds = [k for k in LAYER_TYPES if cfg.count(k)]
@@ -73,6 +74,8 @@ def run_cost(args) -> int:
 
 def run_cache(args) -> int:
     cfg = V4Config.resolve(args.model)
+    planned = v4_capacity_from_args(cfg, args)
+    _say_ignored_cache_flags(args)
     r = v4_report(cfg, args.context, 1, args.dtype)
     out = {
         "model": r["model"],
@@ -83,11 +86,94 @@ def run_cache(args) -> int:
         "bytes_per_sequence": r["cache_bytes_per_sequence"],
         "compare": {k: {n: v[n] for n in _CACHE_KEYS} for k, v in r["compare"].items()},
     }
+    if args.cp != 1 or args.tp != 1:
+        out["per_rank"] = _per_rank(cfg, args)
+    if planned is not None:
+        out["capacity"] = planned
     if args.json:
         emit_json(out)
         return 0
+    _print_cache(cfg, args, out)
+    if "per_rank" in out:
+        pr = out["per_rank"]
+        print(
+            f"per rank at cp={pr['cp']} tp={pr['tp']} (TP replicates the one K = V head; CP deals the "
+            f"compressed entries): {format_bytes(pr['bytes_per_sequence_max_rank'])} on the fullest rank"
+        )
+    if planned is not None:
+        print_v4_capacity(planned)
+    return 0
+
+
+def v4_capacity_from_args(cfg: V4Config, args) -> dict | None:
+    """`--memory` (with --tp, --cp, --weights-memory, --weights-dtype): the V4 capacity table."""
+    from mlakit.commands.capacity import parse_bytes, weights_from_args, with_disk_source
+    from mlakit.cost.v4_capacity import v4_capacity
+
+    if args.memory is None:
+        if args.weights_memory is not None:
+            raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
+        return None
+    memory = parse_bytes(args.memory, "memory")
+    weights, on_disk = weights_from_args(args)
+    c = v4_capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype)
+    return with_disk_source(c, on_disk)
+
+
+def _per_rank(cfg: V4Config, args) -> dict:
+    from mlakit.commands.ranks import check_ranks
+    from mlakit.cost.v4_capacity import sequence_bytes_per_rank
+
+    check_ranks(cfg, args.cp, args.tp)
+    total = sequence_bytes_per_rank(cfg, args.context, args.cp, args.dtype)["total"]
+    return {"cp": args.cp, "tp": args.tp, "bytes_per_sequence_max_rank": total}
+
+
+def _say_ignored_cache_flags(args) -> None:
+    from mlakit.cost import DEFAULT_GQA_GROUPS
+
+    if args.gqa_groups != ",".join(map(str, DEFAULT_GQA_GROUPS)):
+        print(
+            "mlakit cache: --gqa-groups ignored for a V4 model (it is compared with V3.2 and V3, "
+            "not with GQA layouts of its widths)",
+            file=sys.stderr,
+        )
+
+
+def print_v4_capacity(c: dict) -> None:
+    from mlakit.commands.capacity import print_weights_line
+
+    print_weights_line(c)
+    print(
+        f"a sequence of {plural(c['context'], 'token')} on the fullest rank: per layer, the window ring "
+        f"(every rank) + ceil(entries / cp {c['cp']}) compressed entries; TP replicates the K = V head"
+    )
+    print(
+        f"{'cache':<9} {'window':>7} {'CSA entries':>12} {'HCA entries':>12} {'per sequence':>13} "
+        f"{'sequences':>10}"
+    )
+    for name, r in c["caches"].items():
+        t = r["per_layer_type"]
+        csa, hca = t["compressed_sparse_attention"], t["heavily_compressed_attention"]
+        print(
+            f"{name:<9} {t['sliding_attention']['window_entries']:>7,} {csa['compressed_entries']:>12,} "
+            f"{hca['compressed_entries']:>12,} {format_bytes(r['bytes_per_sequence_per_rank']):>13} "
+            f"{r['sequences_per_rank']:>10,}  floor({format_bytes(c['free_bytes_per_rank'])} / "
+            f"{format_bytes(r['bytes_per_sequence_per_rank'])})"
+        )
+    if c["free_bytes_per_rank"] == 0:
+        print(
+            "the weights alone fill the memory: no sequence fits; raise --tp or --memory, or lower "
+            "--weights-dtype"
+        )
+
+
+def _print_cache(cfg: V4Config, args, out: dict) -> None:
     seq = out["bytes_per_sequence"]
-    print(f"{cfg.name}: {cfg.num_layers} layers, {args.dtype} cache, sequence of {args.context:,} tokens")
+    print(
+        f"{cfg.name}: {plural(cfg.num_layers, 'layer')}, {args.dtype} cache, "
+        f"sequence of {plural(args.context, 'token')}"
+    )
     print(f"{'layer type':<30} {'layers':>6} {'bytes/token/layer':>18} {'per layer (seq)':>16}")
     for k in LAYER_TYPES:
         print(
@@ -104,7 +190,6 @@ def run_cache(args) -> int:
             f"  {name:<18} {c['cache_bytes_per_token_per_layer']:>10,.1f} B/token/layer "
             f"{format_bytes(c['cache_bytes_per_sequence']):>12}{share}"
         )
-    return 0
 
 
 def _print_compare(r: dict) -> None:

@@ -48,6 +48,8 @@ PARAMETERS: dict[str, float | None] = {
     "hy4-preview": None,
     "ax-k2": None,
     "mistral-large-4": 1e12,  # Mistral-Large-4-1T-A52B
+    "deepseek-v4-pro": 1.6e12,  # DeepSeek-V4 model card: 1.6T parameters (49B activated)
+    "deepseek-v4-flash": 284e9,  # DeepSeek-V4 model card: 284B parameters (13B activated)
 }
 
 

@@ -109,7 +109,7 @@ function v4Compare(name, c, dtype) {
 }
 
 // --- drawing: reads the page's context and dtype, and its own model select
-const V4_CHART = { width: 720, height: 260, left: 70, right: 20, top: 16, bottom: 40 };
+const V4_CHART = { width: 720, height: 260, left: 88, right: 20, top: 16, bottom: 40 };
 const V4_COLORS = { "deepseek-v3": "#d9622b", "deepseek-v3.2": "#2b6cd9" };
 
 function v4Line(svg, points, color) {
@@ -121,7 +121,48 @@ function v4Line(svg, points, color) {
   svg.appendChild(p);
 }
 
-function v4Chart(svgId, name, dtype, metric, context) {
+// "2 kB", "100 GFLOP": a tick value with an SI prefix and the chart's unit
+function v4SiLabel(value, unit) {
+  const prefixes = ["", "k", "M", "G", "T", "P", "E"];
+  const g = Math.max(0, Math.min(prefixes.length - 1, Math.floor(Math.log10(value) / 3 + 1e-9)));
+  return `${Number((value / 1000 ** g).toPrecision(3))} ${prefixes[g]}${unit}`;
+}
+
+// log-axis ticks between 10^lo and 10^hi: the decades, with 2 and 5 between them when fewer than 3 fit
+function v4Ticks(lo, hi) {
+  const within = (steps) => {
+    const out = [];
+    for (let e = Math.floor(lo); e <= Math.ceil(hi); e++)
+      for (const m of steps) if (Math.log10(m * 10 ** e) >= lo - 1e-9 && Math.log10(m * 10 ** e) <= hi + 1e-9) out.push(m * 10 ** e);
+    return out;
+  };
+  const decades = within([1]);
+  return decades.length >= 3 ? decades : within([1, 2, 5]);
+}
+
+function v4YAxis(svg, lo, hi, py, unit, label) {
+  const right = V4_CHART.width - V4_CHART.right, H = V4_CHART.height - V4_CHART.top - V4_CHART.bottom;
+  for (const v of v4Ticks(lo, hi)) {
+    const y = py(v);
+    const grid = document.createElementNS(SVGNS, "line");
+    for (const [k, val] of [["x1", V4_CHART.left], ["x2", right], ["y1", y], ["y2", y]]) grid.setAttribute(k, val);
+    grid.setAttribute("class", "grid");
+    svg.appendChild(grid);
+    const t = document.createElementNS(SVGNS, "text");
+    Object.assign(t.dataset, { value: v, y });
+    for (const [k, val] of [["x", V4_CHART.left - 6], ["y", y + 4], ["text-anchor", "end"], ["class", "tick v4-ytick"]]) t.setAttribute(k, val);
+    t.textContent = v4SiLabel(v, unit);
+    svg.appendChild(t);
+  }
+  const t = document.createElementNS(SVGNS, "text");
+  const mid = V4_CHART.top + H / 2;
+  for (const [k, val] of [["x", 12], ["y", mid], ["transform", `rotate(-90 12 ${mid})`], ["text-anchor", "middle"], ["class", "axis-label v4-ylabel"]])
+    t.setAttribute(k, val);
+  t.textContent = label;
+  svg.appendChild(t);
+}
+
+function v4Chart(svgId, name, dtype, metric, context, unit, label) {
   const svg = document.getElementById(svgId);
   svg.replaceChildren();
   const xs = [];
@@ -135,6 +176,7 @@ function v4Chart(svgId, name, dtype, metric, context) {
   const W = V4_CHART.width - V4_CHART.left - V4_CHART.right, H = V4_CHART.height - V4_CHART.top - V4_CHART.bottom;
   const px = (c) => V4_CHART.left + ((Math.log2(c) - 10) / 10) * W;
   const py = (y) => V4_CHART.top + H - ((Math.log10(y) - lo) / (hi - lo)) * H;
+  v4YAxis(svg, lo, hi, py, unit, label);
   for (const [model, ys] of Object.entries(series)) v4Line(svg, xs.map((c, i) => [px(c), py(ys[i])]), V4_COLORS[model] || "#2a9d5c");
   const mark = document.createElementNS(SVGNS, "line");
   const x = px(Math.min(Math.max(context, 1024), 1 << 20));
@@ -150,6 +192,11 @@ function v4Chart(svgId, name, dtype, metric, context) {
     t.textContent = label;
     svg.appendChild(t);
   }
+  const xlabel = document.createElementNS(SVGNS, "text");
+  for (const [k, val] of [["x", V4_CHART.left + W / 2], ["y", V4_CHART.height - 2], ["text-anchor", "middle"], ["class", "axis-label"]])
+    xlabel.setAttribute(k, val);
+  xlabel.textContent = "cached tokens (log scale)";
+  svg.appendChild(xlabel);
 }
 
 function drawV4() {
@@ -183,8 +230,8 @@ function drawV4() {
     }
   }
   document.getElementById("v4-context-label").textContent = groupDigits(context);
-  v4Chart("v4-flops", name, dtype, (r) => 2 * r.macs, context);
-  v4Chart("v4-bytes", name, dtype, (r, c) => r.cache_bytes_per_sequence / c, context);
+  v4Chart("v4-flops", name, dtype, (r) => 2 * r.macs, context, "FLOP", "FLOPs / decoded token");
+  v4Chart("v4-bytes", name, dtype, (r, c) => r.cache_bytes_per_sequence / c, context, "B", "cache bytes / token");
 }
 
 (function initV4() {

@@ -62,21 +62,38 @@ def load_config_dict(source: Any) -> dict[str, Any]:
             raise ValueError(f"config source {os.fspath(source)!r}: no such config.json or model folder")
         return read_json_object(path, "config")
     if hasattr(source, "to_dict"):
-        if "kv_lora_rank" not in source.to_dict() and hasattr(source, "get_text_config"):
+        if "kv_lora_rank" not in _object_dict(source) and hasattr(source, "get_text_config"):
             source = source.get_text_config()  # a multimodal model: its language model holds the MLA
-        d = source.to_dict()
+        d = _object_dict(source)
         # a v5 config standardizes rope into rope_parameters; read it from the object when present
         try:
             rope = getattr(source, "rope_parameters", None)
         except Exception:  # noqa: BLE001 (per-layer configs raise their own error for a global attribute)
             rope = None
         if rope is not None:
-            d["rope_parameters"] = dict(rope)
+            d["rope_parameters"] = dict(rope) if isinstance(rope, dict) else rope
         return d
     raise ValueError(
         f"config source of type {type(source).__name__} is not supported; expected a transformers config, "
         "a dict, a config.json path or a model folder"
     )
+
+
+def _object_dict(source: Any) -> dict[str, Any]:
+    """`source.to_dict()`, refused unless it is a dict (a broken config object returns a list, None...)."""
+    to_dict = getattr(source, "to_dict", None)
+    if not callable(to_dict):
+        raise ValueError(
+            f"config object of type {type(source).__name__} has no callable to_dict(); expected a "
+            "transformers config"
+        )
+    d = to_dict()
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"config object of type {type(source).__name__}: to_dict() returned a {type(d).__name__}, "
+            "expected a dict of the config's fields"
+        )
+    return dict(d)
 
 
 def read_json_object(path: str, what: str) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DSA_REASON = "DSA indexer: sparse attention not supported yet"
+# the DSA indexer itself is served (mlakit.hf.dsa: DeepSeek-V3.2, GLM-5); these families refuse for
+# what they add beside it, named after this prefix
+DSA_REASON = "DSA indexer served (as DeepSeek-V3.2's, GLM-5's); not yet:"
 
 # rope conventions: "complex" (DeepSeek-V2's freqs_cis), "config" (config.rope_interleave picks
 # interleaved pairs or two halves), "interleave", "half", "none" (NoPE: no rotation at all)
@@ -142,7 +144,7 @@ FAMILIES: dict[str, Family] = {
         "interleave",
         "AXK2ForCausalLM",
         differences="DSA indexer; fused q_gate_proj over [norm(q_a) | q_a] and a sigmoid output gate",
-        refused=f"{DSA_REASON}; fused q_gate_proj and output gate not supported yet",
+        refused=f"{DSA_REASON} its fused q_gate_proj and sigmoid output gate",
     ),
     "HYV4Attention": _f(
         "hy_v4",
@@ -150,14 +152,14 @@ FAMILIES: dict[str, Family] = {
         "half",
         "HYV4ForCausalLM",
         differences="DSA indexer with shared top-k; attention sinks; per-head-dim sigmoid gate",
-        refused=f"{DSA_REASON}; attention sinks and gate_proj not supported yet",
+        refused=f"{DSA_REASON} attention sinks and the gate_proj output gate",
     ),
     "HYV4VLAttention": _f(
         "hy_v4_vl",
         "HYV4VLTextConfig",
         "half",
         differences="as HYV4 (text tower of the VL model), latent norms with rms_norm_eps",
-        refused=f"{DSA_REASON}; attention sinks and gate_proj not supported yet",
+        refused=f"{DSA_REASON} attention sinks and the gate_proj output gate",
     ),
     "MistralLarge4TextAttention": _f(
         "mistral_large4_text",
@@ -166,7 +168,7 @@ FAMILIES: dict[str, Family] = {
         module="mistral_large4",
         differences="DSA indexer; latent shared across layers (kv_sharing_modes); NoPE layers; "
         "learned softmax scaling",
-        refused=f"{DSA_REASON}; cross-layer KV sharing and learned softmax scaling not supported yet",
+        refused=f"{DSA_REASON} the latent shared across layers (kv_sharing_modes), learned softmax scaling",
     ),
     "Dots3NoteTextAttention": _f(
         "dots3_note_text",
@@ -175,7 +177,7 @@ FAMILIES: dict[str, Family] = {
         module="dots3_note",
         differences="per-layer kinds (sliding window / indexed); rms-normed k_pe; latent scales; "
         "per-head gate",
-        refused=f"{DSA_REASON}; sliding-window layers and a normalized rope key not supported yet",
+        refused=f"{DSA_REASON} sliding-window layers and an rms-normed rope key",
     ),
     "Glm5NextTextAttention": _f(
         "glm5_next_text",
@@ -183,7 +185,7 @@ FAMILIES: dict[str, Family] = {
         "none",
         module="glm5_next",
         differences="NoPE MLA (qk_rope_head_dim 0) with a DSA indexer sharing top-k across layers",
-        refused=DSA_REASON,
+        refused=f"{DSA_REASON} a zero rope width (NoPE MLA), which one MLAConfig cannot describe",
     ),
 }
 

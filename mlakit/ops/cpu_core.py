@@ -17,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -199,7 +200,7 @@ def _load() -> tuple[bool, str | None]:
         if failed.exists():
             return False, failed.read_text()[-400:]
         if not lib.exists():
-            why, lasting = _build(lib)
+            why, lasting = _build_announced(lib)
             if why is not None:
                 if lasting:  # a compile error stays one; no compiler or a slow machine may do better later
                     failed.write_text(why)
@@ -232,6 +233,25 @@ def _compile_command(out: Path) -> list[str]:
     cmd += [f"-I{p}" for p in ext.include_paths()]
     cmd += [f"-L{p}" for p in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
     return cmd
+
+
+def _build_announced(lib: Path) -> tuple[str | None, bool]:
+    """`_build`, with one line on stderr as it starts and one when it ends (it blocks for ~1 min)."""
+    print("mlakit: building the fused CPU decode core (once, ~1 min) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    why, lasting = _build(lib)
+    took = time.perf_counter() - t0
+    if why is None:
+        print(
+            f"mlakit: fused CPU decode core built in {took:.0f} s ({lib.parent})", file=sys.stderr, flush=True
+        )
+    else:
+        print(
+            f"mlakit: fused CPU decode core not built ({why.splitlines()[0][:200]}); the torch path runs",
+            file=sys.stderr,
+            flush=True,
+        )
+    return why, lasting
 
 
 def _build(lib: Path) -> tuple[str | None, bool]:

@@ -154,9 +154,10 @@ def _check_widths(cfg: V4Config) -> None:
         raise ValueError(
             f"index_head_dim must be > qk_rope_head_dim ({cfg.qk_rope_head_dim}), got {cfg.index_head_dim}"
         )
-    if (cfg.num_heads * cfg.head_dim) % cfg.o_groups:
+    # the grouped output projection splits the heads into o_groups groups of whole heads
+    if cfg.num_heads % cfg.o_groups:
         raise ValueError(
-            f"o_groups must divide num_heads * head_dim ({cfg.num_heads * cfg.head_dim}), got {cfg.o_groups}"
+            f"o_groups must divide num_heads ({cfg.num_heads}) into groups of whole heads, got {cfg.o_groups}"
         )
 
 
@@ -169,12 +170,15 @@ def hf_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     for key in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank"):
         if key not in d:
             raise ValueError(f"config has no {key!r}; is it a DeepSeek-V4 config?")
-    rates = dict(d.get("compress_rates") or {})
+    rates = dict(_field(d, "compress_rates", dict) or {})
     rates.setdefault(CSA, d.get("compress_rate_csa", 4))
     rates.setdefault(HCA, d.get("compress_rate_hca", 128))
     rope_dim = d.get("qk_rope_head_dim")
     if rope_dim is None:
-        rope_dim = int(d["head_dim"] * (d.get("partial_rotary_factor") or 64 / 512))
+        head_dim = checks.positive_int("head_dim", d["head_dim"])
+        factor = d.get("partial_rotary_factor")
+        factor = 64 / 512 if factor is None else checks.number("partial_rotary_factor", factor, above=0)
+        rope_dim = int(head_dim * factor)
     out = dict(
         hidden_size=d["hidden_size"],
         num_heads=d["num_attention_heads"],
@@ -202,9 +206,9 @@ def hf_kwargs(d: dict[str, Any]) -> dict[str, Any]:
 
 def _hf_layer_types(d: dict[str, Any]) -> list[str]:
     n = d.get("num_hidden_layers")
-    types = d.get("layer_types")
+    types = _field(d, "layer_types", list | tuple)
     if types is None and d.get("compress_ratios") is not None:
-        ratios = list(d["compress_ratios"])
+        ratios = list(_field(d, "compress_ratios", list | tuple))
         bad = [r for r in ratios if r not in _RATIO_TO_TYPE]
         if bad:
             raise ValueError(f"compress_ratios entries must be 0, 4 or 128, got {bad}")
@@ -220,7 +224,7 @@ def _hf_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
         s = dict(rp["compress"])
     else:
-        s = dict(d.get("rope_scaling") or {})
+        s = dict(_field(d, "rope_scaling", dict) or {})
     kind = s.get("rope_type", s.get("type", "default"))
     if kind != "yarn":
         return None
@@ -228,6 +232,15 @@ def _hf_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     s.pop("type", None)
     s.setdefault("attention_factor", 1.0)
     return s
+
+
+def _field(d: dict[str, Any], key: str, kind: Any) -> Any:
+    """`d[key]` when it is a `kind` (a JSON list or object) or absent / null; a ValueError otherwise."""
+    value = d.get(key)
+    if value is not None and not isinstance(value, kind):
+        what = "an object {...}" if kind is dict else "a list"
+        raise ValueError(f"{key} must be {what} or null, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def _published_types(ratios: list[int], layers: int) -> tuple[str, ...]:
