@@ -1,4 +1,4 @@
-"""Shared by the step-protocol tests: issue 19's tiny setup (hidden 32, 2 heads, latent 16, rope 4; two
+"""Shared by the step-protocol tests: the tiny setup (hidden 32, 2 heads, latent 16, rope 4; two
 layers; a contiguous cache of 3 slots x 32 tokens or a paged one of 24 pages of 4), state snapshots
 compared bit for bit, and the visible latents of every slot and layer."""
 

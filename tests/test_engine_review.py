@@ -1,5 +1,5 @@
-"""Review of issue 20: LLM's signature, checks before any change, tokenizer/device/seed/temperature
-arguments, plan() failures undone in the shared page pool, fp8 refused by name."""
+"""The engine's contract under misuse: LLM's signature, checks before any change,
+tokenizer/device/seed/temperature arguments, plan() failures undone in the shared page pool, fp8 refused by name."""
 
 from __future__ import annotations
 

@@ -677,7 +677,7 @@ def test_the_url_keeps_the_view(driver, page_url):
 
 DSA_MODELS = ("deepseek-v3.2", "glm-5")
 # below k, k and k+1, either side of both models' break-even (2,177.0), inside and past the bytes
-# break-even band (2,313-2,633), the issue's 32K and 128K, and the top of the range
+# break-even band (2,313-2,633), the usual 32K and 128K, and the top of the range
 DSA_CONTEXTS = (1, 1000, 2048, 2049, 2176, 2178, 2400, 2700, 4096, 32768, 131072, 1 << 20)
 
 READ_DSA = """
@@ -818,14 +818,14 @@ def test_dsa_terms_over_new_tokens_and_dtypes(page):
 
 @pytest.mark.browser
 def test_dsa_headline_figures_at_128k(page):
-    """The issue's figures, as the model gives them: 13.4x fewer multiply-adds than dense at 128K and the
+    """The usual DSA figures, as the model gives them: 13.4x fewer multiply-adds than dense at 128K and the
     indexer ~79% of what remains (context-dependent terms); break-even ~2,180 tokens in multiply-adds."""
     choose_model(page, "deepseek-v3.2")
     set_control(page, "dtype", "bf16")
     set_control(page, "context", 131072)
     s = read_dsa(page)
     want = cost.dsa_decode_summary(MLAConfig.preset("deepseek-v3.2"), 131072)["core"]
-    # the issue's ~13.4x and ~79%: 13.35x and 79.1% here (scoring counts H_I(d_I+1) per key; without
+    # the quoted ~13.4x and ~79%: 13.35x and 79.1% here (scoring counts H_I(d_I+1) per key; without
     # the weight's +1 it would be 13.43x and 79.0%)
     assert abs(want["ratio"] - 13.4) < 0.06 and abs(want["indexer_share"] - 0.79) < 0.005
     assert s["ratio_text"] == f"{want['ratio']:.2f}×" == "13.35×"
@@ -888,7 +888,7 @@ def test_ci_installs_chromium():
     assert "chromium" in text and "chromium-driver" in text
 
 
-# --- issue 23: the inputs read what the CLI reads; one sparse answer; "measured" only when measured
+# --- the inputs read what the CLI reads; one sparse answer; "measured" only when measured
 
 
 CONTEXT_FORMS = [("32K", 32768), ("32k", 32768), ("1M", 1 << 20), ("4_096", 4096), (" 700 ", 700)]

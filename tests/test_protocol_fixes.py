@@ -1,4 +1,4 @@
-"""The step protocol's remaining holes (issue 19's review), on both caches: a subset commit shows no
+"""The step protocol's remaining holes, on both caches: a subset commit shows no
 reused row's old latents, `write_index` checks what `write` checks, `copy_from` alone credits no layer
 (a replay is marked with `mark_replayed`), and a `plan()` that fails after its checks (a profile whose
 `decide` raises, memory) leaves the open plan open and committable."""

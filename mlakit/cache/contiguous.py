@@ -245,7 +245,7 @@ class LatentCache(StepCache):
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             if torch.compiler.is_compiling():
                 # into the buffers themselves: a write into a layer's view makes inductor copy the
-                # whole buffer back at every layer (issue 23)
+                # whole buffer back at every layer (docs/compile.md)
                 at = (torch.full_like(plan.write_rows, layer), plan.write_rows)
                 self._c_rows.index_put_(at, c_kv)
                 self._k_rows.index_put_(at, k_pe)

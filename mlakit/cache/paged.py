@@ -346,7 +346,7 @@ class PagedLatentCache(StepCache):
     def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
         """Fields of token rows `target` [N] written by one `index_put_` of whole rows into the store:
         under torch.compile, a write into a column, dtype or layer view of the store makes inductor
-        copy the whole store back at every write (issue 23)."""
+        copy the whole store back at every write (docs/compile.md)."""
         store = self._store
         if store.dtype == torch.uint8:
             put_fields(store, layer, target, fields)

@@ -120,7 +120,7 @@ def put_fields(
     """Write token rows `target` [N] of one layer of a uint8 pool `store` [layers, rows, row_bytes]:
     each field's values [N, count] replace its bytes, the rest of each row is kept (read first). One
     `index_put_` of whole byte rows into the pool tensor itself: writing through dtype, column or
-    layer views of the pool instead makes torch.compile copy the whole pool back (issue 23)."""
+    layer views of the pool instead makes torch.compile copy the whole pool back (docs/compile.md)."""
     new = store[layer].index_select(0, target)  # [N, row_bytes]: a fresh copy of the rows
     for field, values in fields:
         field_view(new, field).copy_(values.reshape(target.numel(), -1))
