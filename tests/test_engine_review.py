@@ -1,5 +1,6 @@
 """The engine's contract under misuse: LLM's signature, checks before any change,
-tokenizer/device/seed/temperature arguments, plan() failures undone in the shared page pool, fp8 refused by name."""
+tokenizer/device/seed/temperature arguments, plan() failures undone in the shared page pool, fp8
+refused by name."""
 
 from __future__ import annotations
 
