@@ -68,7 +68,7 @@ FORWARD_CASES = [
     (
         "cache-other-widths",
         lambda m, c: make_layer(tiny_config(kv_lora_rank=21))(hidden(), c),
-        r"20\+4.*21\+4",
+        r"kv_lora_rank \(latent width\): cache 20, layer 21",
     ),
 ]
 
