@@ -18,6 +18,7 @@ from serve_tiny import write_tiny_model
 
 from mlakit.engine import LLM
 from mlakit.engine import SamplingParams as RealParams
+from mlakit.serve import fields
 from mlakit.serve.adapter import EngineAdapter
 from mlakit.serve.app import build_app
 
@@ -306,3 +307,59 @@ def test_characters_per_token_bound(tokenizer, chars):
     tok = byte_tokenizer() if tokenizer == "byte" else CharTokenizer()
     assert longest_token_chars(tok) == chars  # "<bos>"; a tokenizer without get_vocab: the fallback
     assert default_request_bytes(512 * chars) == 2**20 and default_request_bytes(16384 * 128) == 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """The fake engine behind a 64 MiB body limit: what a long-context model's default lets through."""
+    app = build_app(
+        EngineAdapter(RecordingEngine(), tokenizer=SlowTokenizer()), "fake", max_request_bytes=2**26
+    )
+    server = ThreadServer(app)
+    gc.collect()
+    gc.freeze()
+    try:
+        yield server.url
+    finally:
+        gc.unfreeze()
+        server.close()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-list", "list-of-lists"])
+def test_megabytes_of_token_ids_are_refused_by_length_before_any_id_is_read(roomy, batched, monkeypatch):
+    ids = [7] * 3_000_000  # ~9 MB of JSON: every id was checked in Python on the event loop before
+    prompt = [[1, 2], ids] if batched else ids
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    read = []
+    monkeypatch.setattr(fields, "token_ids", lambda value, name: read.append(name) or value)
+
+    def send():
+        with httpx.Client(timeout=60) as http:
+            return http.post(
+                roomy + "/v1/completions", content=body, headers={"content-type": "application/json"}
+            )
+
+    times, r = health_while(roomy, send)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("prompt has 3000000 tokens; this model's maximum context length is 512")
+    assert message.endswith(" (prompt 1)") == batched and not read
+    # what is left is json.loads in a thread, which holds the interpreter lock (~25 ms per MB here,
+    # the client's thread in this process competing for it too): bounded, not the per-id seconds
+    print(f"/health x{len(times)}, slowest {max(times) * 1e3:.1f} ms")
+    assert max(times) < 1.0, f"/health slowest {max(times) * 1e3:.1f} ms"
+
+
+def test_a_refused_value_is_shown_cut_short(roomy):
+    stop = ["ab"] * 200_000 + [5]  # one bad entry in a long list: the message shows 200 characters of it
+    r = httpx.post(roomy + "/v1/completions", json={"prompt": "hi", "stop": stop, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    message = r.json()["error"]["message"]
+    assert len(message) < 400 and "(200,001 items, " in message, message
+
+
+def test_the_prompt_too_long_among_several_is_named(fake):
+    prompts = ["hi", "q" * 600, "there"]  # the byte tokenizer: a token per character, context 512
+    r = httpx.post(fake[0] + "/v1/completions", json={"prompt": prompts, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"].endswith("(prompt 1)"), r.text

@@ -134,14 +134,23 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return await _generate(state, request, chat=True)
 
 
-async def _generate(state: ServerState, request: Request, chat: bool):
-    _authorize(state, request)
-    req = protocol.parse(await _json(request), chat)
+def _job(state: ServerState, body, chat: bool) -> handlers.Job:
+    """The request checked (cheapest refusals first) and tokenized."""
+    if not chat:
+        guard.check_token_prompts(body, state.adapter.max_model_len)
+    req = protocol.parse(body, chat)
     if req.model is not None and req.model != state.model_name:
         raise model_not_found(req.model)
     guard.check_prompt_chars(req, state.max_prompt_chars, state.adapter.max_model_len)
-    # tokenizing a long prompt takes seconds: a thread (the tokenizer releases the GIL), never the loop
-    job = await asyncio.to_thread(handlers.Job, state, req)
+    return handlers.Job(state, req)
+
+
+async def _generate(state: ServerState, request: Request, chat: bool):
+    _authorize(state, request)
+    body = await _json(request)
+    # checking a body of many ids and tokenizing a long prompt take seconds: a thread, never the loop
+    job = await asyncio.to_thread(_job, state, body, chat)
+    req = job.req
     if req.stream:
         events = handlers.stream(state, job, _gone(request))
         headers = {"Cache-Control": "no-cache"}

@@ -18,6 +18,19 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# an error message shows at most this much of the value it refuses (a bad id in a 200K-id list)
+SHOWN_CHARS = 200
+
+
+def shown(value) -> str:
+    """repr(value), cut to SHOWN_CHARS with what was left out said."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    size = f"{len(value):,} items, " if isinstance(value, list | dict | str) else ""
+    return f"{text[:SHOWN_CHARS]}... ({size}{len(text):,} characters)"
+
+
 def _is_number(value) -> bool:
     return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
 
@@ -27,7 +40,7 @@ def integer(body: dict, name: str, low: int | None = None, high: int | None = No
     if value is None:
         return default
     if not _is_int(value):
-        raise bad_request(name, f"`{name}` must be an integer, got {value!r}", code="invalid_type")
+        raise bad_request(name, f"`{name}` must be an integer, got {shown(value)}", code="invalid_type")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"from {low} to {high}"
         raise bad_request(name, f"`{name}` must be {bounds}, got {value}")
@@ -39,7 +52,7 @@ def number(body: dict, name: str, low: float, high: float | None, default, low_o
     if value is None:
         return default
     if not _is_number(value):
-        raise bad_request(name, f"`{name}` must be a finite number, got {value!r}", code="invalid_type")
+        raise bad_request(name, f"`{name}` must be a finite number, got {shown(value)}", code="invalid_type")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         left = "(" if low_open else "["
@@ -53,7 +66,7 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(name, f"`{name}` must be a boolean, got {value!r}", code="invalid_type")
+        raise bad_request(name, f"`{name}` must be a boolean, got {shown(value)}", code="invalid_type")
     return value
 
 
@@ -62,7 +75,7 @@ def string(body: dict, name: str, default=None):
     if value is None:
         return default
     if not isinstance(value, str):
-        raise bad_request(name, f"`{name}` must be a string, got {value!r}", code="invalid_type")
+        raise bad_request(name, f"`{name}` must be a string, got {shown(value)}", code="invalid_type")
     return value
 
 
@@ -72,14 +85,17 @@ def stop_strings(body: dict) -> list[str] | None:
         return None
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise bad_request("stop", f"`stop` must be a non-empty string or a list of them, got {value!r}")
+        raise bad_request("stop", f"`stop` must be a non-empty string or a list of them, got {shown(value)}")
     return list(items) or None
 
 
 def token_ids(value, name: str) -> list[int]:
     """A non-empty list of non-negative ints (the vocabulary bound is checked by the caller)."""
     if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
-        raise bad_request(name, f"`{name}` must be a non-empty list of token ids (ints >= 0), got {value!r}")
+        raise bad_request(
+            name,
+            f"`{name}` must be a non-empty list of token ids (ints >= 0), got {shown(value)}",
+        )
     return value
 
 
@@ -88,7 +104,7 @@ def unsupported(body: dict, defaults: dict) -> None:
     for name, neutral in defaults.items():
         value = body.get(name)
         if value is not None and value != neutral and not (isinstance(neutral, tuple) and value in neutral):
-            raise bad_request(name, f"`{name}` is not supported by this server (got {value!r})")
+            raise bad_request(name, f"`{name}` is not supported by this server (got {shown(value)})")
 
 
 def max_tokens(body: dict, name: str, scoring: bool = False):

@@ -1,6 +1,7 @@
 """What cannot fit is refused before it costs anything: the body's size (413, from Content-Length
 before reading, else while reading) and prompts with more characters than `max_model_len` tokens can
-hold (400, before tokenizing). Large bodies are parsed, and every prompt tokenized, off the event loop.
+hold (400, before tokenizing), token-id prompts longer than the context (400, before any id is read).
+Large bodies are parsed, and every request checked and tokenized, off the event loop.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from mlakit.engine.limits import check_context
 from mlakit.serve.errors import bad_request, too_large
 
 # the body limit's floor: room for batches of token-id prompts at any context
@@ -70,3 +72,19 @@ def check_prompt_chars(req, max_chars: int, max_model_len: int) -> None:
                 f"`{name}` has {chars} characters: more than this model's context of {max_model_len} "
                 f"tokens can hold (at most {max_chars // max_model_len} characters per token)",
             )
+
+
+def check_token_prompts(body, max_model_len: int) -> None:
+    """Token-id prompts (a list of ids, or a list of such lists) must be shorter than the context:
+    measured by their lengths alone, before any id is checked (a few MB of ids would hold the loop)."""
+    value = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(value, list) or not value:
+        return
+    prompts = [value] if not isinstance(value[0], list | str) else value
+    for i, p in enumerate(prompts):
+        if isinstance(p, list):
+            try:
+                check_context(len(p), None, max_model_len)
+            except ValueError as err:
+                where = "" if p is value else f" (prompt {i})"
+                raise bad_request("prompt", f"{err}{where}") from None

@@ -21,7 +21,7 @@ class Job:
         self.req = req
         self.adapter = state.adapter
         self.n = req.sampling["n"]
-        self.prompt_ids = [self._tokenize(p) for p in req.prompts]
+        self.prompt_ids = [self._tokenize(p, i) for i, p in enumerate(req.prompts)]
         # echo: each choice starts with its prompt (a token-id prompt decoded, as vLLM)
         self.echo_texts = None
         if req.echo:
@@ -34,7 +34,7 @@ class Job:
         self.shaper = Shaper(req.chat, state.model_name, self.adapter.token_text, req.logprobs)
         self._check_room(state)
 
-    def _tokenize(self, prompt) -> list[int]:
+    def _tokenize(self, prompt, i: int) -> list[int]:
         name = "messages" if self.req.chat else "prompt"
         if self.req.chat:
             ids = self.adapter.render_chat(prompt)
@@ -45,6 +45,11 @@ class Job:
         vocab = self.adapter.vocab_size
         if max(ids) >= vocab:
             raise bad_request(name, f"`{name}` holds token id {max(ids)}; the vocabulary has {vocab}")
+        try:  # refused as soon as one prompt is too long, naming it among several
+            check_context(len(ids), None, self.adapter.max_model_len)
+        except ValueError as err:
+            where = f" (prompt {i})" if len(self.req.prompts) > 1 else ""
+            raise bad_request(name, f"{err}{where}") from None
         return ids
 
     def _params(self, context: int):

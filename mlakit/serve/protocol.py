@@ -98,7 +98,10 @@ def _include_usage(body: dict, stream: bool) -> bool:
     if not stream:
         raise bad_request("stream_options", "`stream_options` is only allowed when `stream` is true")
     if not isinstance(options, dict):
-        raise bad_request("stream_options", f"`stream_options` must be an object, got {options!r}")
+        raise bad_request(
+            "stream_options",
+            f"`stream_options` must be an object, got {fields.shown(options)}",
+        )
     return fields.boolean(options, "include_usage")
 
 
@@ -122,7 +125,10 @@ def _prompts(body: dict) -> list:
     elif isinstance(value, list) and value:
         items = [p if isinstance(p, str) else fields.token_ids(p, "prompt") for p in value]
     else:
-        raise bad_request("prompt", f"`prompt` must be a string, token ids or a list of them, got {value!r}")
+        raise bad_request(
+            "prompt",
+            f"`prompt` must be a string, token ids or a list of them, got {fields.shown(value)}",
+        )
     if any(isinstance(p, str) and not p for p in items):
         raise bad_request("prompt", "`prompt` is empty")
     return items
@@ -133,14 +139,17 @@ def _messages(body: dict) -> list[dict]:
     if value is None:
         raise bad_request("messages", "`messages` is required", code="missing_required_parameter")
     if not isinstance(value, list) or not value:
-        raise bad_request("messages", f"`messages` must be a non-empty list, got {value!r}")
+        raise bad_request("messages", f"`messages` must be a non-empty list, got {fields.shown(value)}")
     return [_message(m, i) for i, m in enumerate(value)]
 
 
 def _message(message, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
-        raise bad_request(where, f"`{where}` must be an object with a `role` in {_ROLES}, got {message!r}")
+        raise bad_request(
+            where,
+            f"`{where}` must be an object with a `role` in {_ROLES}, got {fields.shown(message)}",
+        )
     content = message.get("content")
     if isinstance(content, list):
         parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -148,5 +157,8 @@ def _message(message, i: int) -> dict:
             raise bad_request(f"{where}.content", "only text content parts are supported")
         content = "".join(parts)
     if not isinstance(content, str):
-        raise bad_request(f"{where}.content", f"`{where}.content` must be a string, got {content!r}")
+        raise bad_request(
+            f"{where}.content",
+            f"`{where}.content` must be a string, got {fields.shown(content)}",
+        )
     return {"role": message["role"], "content": content}
