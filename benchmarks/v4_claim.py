@@ -1,6 +1,6 @@
 """The article's claim, from mlakit's cost model: V4-Pro against V3.2 (and V3) per decoded token.
 
-Article 001 quotes the DeepSeek-V4 paper: at 1M context V4-Pro needs about 27% of V3.2's per-token
+*From MHA to MLA* quotes the DeepSeek-V4 paper: at 1M context V4-Pro needs about 27% of V3.2's per-token
 inference FLOPs and about 10% of its KV cache. This prints mlakit's figures from the published
 configs at 8K, 128K and 1M, for a bf16 and an fp8 cache, and the terms behind the difference.
 

@@ -1,4 +1,4 @@
-"""Issue 23, items 6 and 8: calibrate says how long it will take, shows progress, saves nothing that fails
+"""calibrate says how long it will take, shows progress, saves nothing that fails
 its own checks (and auto ignores a profile marked so); `mlakit check` picks its threads as bench does."""
 
 from __future__ import annotations

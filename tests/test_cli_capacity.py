@@ -1,5 +1,6 @@
-"""Issue 23, the CLI: `cache --memory` (capacity per rank, by hand), one sparse answer for DSA models in
-crossover / cost / cache, `cost` defaulting --context, `cache --context 0` refused, byte units."""
+"""The CLI's capacity and DSA answers: `cache --memory` (capacity per rank, by hand), one sparse
+answer for DSA models in crossover / cost / cache, `cost` defaulting --context,
+`cache --context 0` refused, byte units."""
 
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def test_cost_defaults_its_context_like_crossover_and_cache(capsys):
 
 
 def test_dsa_json_top_level_is_the_sparse_answer(capsys):
-    """Issue 23 item 4 in JSON: the top level of cost / crossover / cache is the DSA model's answer, the
+    """In JSON, the top level of cost / crossover / cache is the DSA model's answer, the
     dense layer's figures under "dense_layer"; dense models keep their keys as they were."""
     v32 = MLAConfig.preset("deepseek-v3.2")
     for context in ("128K", "1000"):

@@ -235,7 +235,7 @@ def test_replaced_or_reparametrized_projections_take_the_general_path(how):
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad-mode"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_planned_decode_call_at_the_tiny_shape_takes_at_most_30_aten_ops(kind, grad):
-    """Issue 10's target, counted (not timed): batch 4, one new token, hidden 64 / 2 heads / latent 16,
+    """The op-count target, counted (not timed): batch 4, one new token, hidden 64 / 2 heads / latent 16,
     64 cached tokens, mode absorb; under no_grad and under grad mode (autograd records the call)."""
     layer = make_layer(TINY, seed=6)
     paged = kind == "paged"

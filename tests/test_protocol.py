@@ -1,4 +1,4 @@
-"""Issue 19's repros of the step protocol (plan -> every layer -> commit) under misuse, on both caches:
+"""The step protocol (plan -> every layer -> commit) under misuse, on both caches:
 each is refused with a ValueError that says why, the cache is bit-identical afterwards, and the next
 good step is exact (equal, bit for bit, to a twin cache that never saw the misuse)."""
 

@@ -1,4 +1,4 @@
-"""Issue 19's other repros: DSA index scores within the score budget and the poisoned-slot contract,
+"""The step protocol's inputs: DSA index scores within the score budget and the poisoned-slot contract,
 from_hf of DSA / Mistral-Large-4 configs and JSON null, the kernel's trusted inputs checked where
 they are host facts, and the refusals that must name their argument before any change."""
 

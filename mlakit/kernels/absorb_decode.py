@@ -256,7 +256,7 @@ def absorb_decode(
     `interpret` (default: on CPU tensors) runs Triton's interpreter, tiles in fp32.
     """
     if triton is None:
-        raise RuntimeError("mlakit.kernels needs Triton: pip install 'mlakit[triton]'")
+        raise RuntimeError("mlakit.kernels needs Triton: pip install -e '.[triton]' in the checkout")
     u8 = check_inputs(q_lat, q_pe, pages, block_table, kv_lens, layout, out_dtype, num_splits)
     interp = _interpret(pages.device, interpret)
     batch, new, heads, latent = q_lat.shape
