@@ -201,6 +201,38 @@ def test_chat_uses_the_tokenizers_template(llm):
     assert out.prompt_token_ids == tok.encode("<user>hi<assistant>", add_special_tokens=False)
 
 
+def test_chat_takes_vllms_template_keywords(llm):
+    """chat_template overrides the tokenizer's; continue_final_message leaves the last message open;
+    use_tqdm may be passed by position, as vLLM's signature allows."""
+    tok = llm.get_tokenizer()
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not cont %}</>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
+    sp = SamplingParams(max_tokens=1)
+    (out,) = llm.chat(conv, sp, False, chat_template=template, chat_template_kwargs={"cont": True},
+                      add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    assert out.prompt == "<user>hi</><assistant>hel"
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+    (plain,) = llm.chat(conv, sp, False, add_generation_prompt=False, continue_final_message=True)
+    assert plain.prompt == "user: hi\nassistant: hel"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"continue_final_message": True}, "needs add_generation_prompt=False"),
+     ({"chat_template": ""}, "chat_template must be"),
+     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+     ({"add_generation_prompt": "yes"}, "add_generation_prompt must be a boolean")],
+    ids=["continue-and-prompt", "empty-template", "kwargs-list", "not-bool"],
+)  # fmt: skip
+def test_chat_template_keywords_refused_before_anything_is_queued(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat([{"role": "user", "content": "x"}], use_tqdm=False, **kwargs)
+    assert not llm.llm_engine.requests and not llm.llm_engine.waiting
+
+
 @pytest.mark.parametrize(
     "messages,match",
     [([], "messages must be"), ([{"role": "robot", "content": "x"}], r"messages\[0\]"),

@@ -32,16 +32,58 @@ def check_messages(messages, name: str = "messages") -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: list[dict], encode=None, add_generation_prompt: bool = True):
-    """(the prompt text, its token ids) of a checked conversation. With a chat template: the template's
-    text (its special tokens written by the template, none added); else the plain template encoded as
-    any prompt (`encode`, default `tokenizer.encode`)."""
-    if getattr(tokenizer, "chat_template", None):
+def template_options(
+    chat_template=None, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None
+) -> dict:
+    """The rendering keywords of `LLM.chat` checked (vLLM's names and rules) -> `render`'s keywords."""
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+        raise ValueError(f"chat_template must be a non-empty Jinja template string, got {chat_template!r}")
+    for name, value in (("add_generation_prompt", add_generation_prompt), ("continue_final_message",
+                        continue_final_message)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message=True needs add_generation_prompt=False (the model goes on with the "
+            "last message instead of starting a new one)"
+        )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+    return {
+        "chat_template": chat_template,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "chat_template_kwargs": chat_template_kwargs or {},
+    }
+
+
+def render(
+    tokenizer,
+    messages: list[dict],
+    encode=None,
+    add_generation_prompt: bool = True,
+    *,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+):
+    """(the prompt text, its token ids) of a checked conversation. With a chat template (the tokenizer's,
+    or `chat_template`): the template's text (its special tokens written by the template, none added);
+    else the plain template encoded as any prompt (`encode`, default `tokenizer.encode`)."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
         )
         return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "".join(PLAIN_TEMPLATE.format(**m) for m in messages)
+    if continue_final_message:
+        text = text.removesuffix("\n")
     text += PLAIN_GENERATION_PROMPT if add_generation_prompt else ""
     ids = (encode or tokenizer.encode)(text)
     return text, list(getattr(ids, "ids", ids))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from mlakit.engine.chat import check_messages, render
+from mlakit.engine.chat import check_messages, render, template_options
 from mlakit.engine.engine import LLMEngine
 from mlakit.engine.limits import check_context
 from mlakit.engine.params import RequestOutput, SamplingParams
@@ -53,7 +53,7 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """`prompts`: a string, a list of strings, or token-id lists (one list of ints is one prompt);
         `sampling_params`: one for all or a list with one per prompt. Outputs in the prompts' order."""
         prompts = _as_list(prompts)
@@ -81,11 +81,22 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(
-        self, messages, sampling_params=None, *, use_tqdm: bool = True, add_generation_prompt: bool = True
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them; rendered
-        as the server's /v1/chat/completions does (the tokenizer's chat template, else the plain one) and
-        generated as `generate` does. `RequestOutput.prompt` is the rendered text."""
+        as the server's /v1/chat/completions does (the tokenizer's chat template, or `chat_template`,
+        else the plain one) and generated as `generate` does. vLLM's keywords: `continue_final_message`
+        (the last message left open for the model to go on, no generation prompt: not with
+        `add_generation_prompt`), `chat_template_kwargs` (more variables for the template).
+        `RequestOutput.prompt` is the rendered text."""
         convs = (
             [messages]
             if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict)
@@ -93,14 +104,14 @@ class LLM:
         )
         if not isinstance(convs, list | tuple) or not convs:
             raise ValueError(f"messages must be a conversation or a list of conversations, got {messages!r}")
+        options = template_options(
+            chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer: pass tokenizer= to LLM")
         name = "messages" if convs is not messages else "messages[{}]"
-        rendered = [
-            render(tok, check_messages(c, name.format(i)), add_generation_prompt=add_generation_prompt)
-            for i, c in enumerate(convs)
-        ]
+        rendered = [render(tok, check_messages(c, name.format(i)), **options) for i, c in enumerate(convs)]
         outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
         for out, (text, _) in zip(outs, rendered, strict=True):
             out.prompt = text
