@@ -203,3 +203,15 @@ def test_a_layer_built_under_inference_mode_runs_and_follows_weight_changes():
         assert w_uk.data_ptr() == layer.kv_b_proj.weight.data_ptr()  # views: nothing derived
     assert not torch.equal(first, second)
     assert_close("inference-mode layer", second, naive_mla(layer, x).float(), rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.uint8, "bf16"], ids=str)
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_storage_dtype_is_refused_pointing_to_quant(kind, dtype):
+    """int8/fp8 are row formats of the paged cache (quant=...), never a compute dtype of either cache."""
+    make = {
+        "contiguous": lambda: LatentCache(CFG, 2, 8, dtype=dtype),
+        "paged": lambda: PagedLatentCache(CFG, 8, 2, max_batch=2, dtype=dtype),
+    }[kind]
+    with pytest.raises(ValueError, match=r"dtype must be a floating-point compute dtype.*quant='int8'"):
+        make()

@@ -101,6 +101,18 @@ def check_positive(name: str, value) -> int:
     return int(value)
 
 
+def check_compute_dtype(dtype) -> torch.dtype:
+    """A cache's `dtype` is what its layers compute in: a floating-point type of 16 bits or more.
+    Narrower rows are a format of the paged cache (`quant`), not a compute dtype."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(
+            f"dtype must be a floating-point compute dtype of 16 bits or more (torch.bfloat16, float16, "
+            f"float32, float64), got {dtype}; for int8 or fp8 rows keep the compute dtype and pass "
+            "quant='int8' or quant='fp8' to PagedLatentCache"
+        )
+    return dtype
+
+
 def memory_limit(device) -> int:
     """Bytes a cache may allocate on `device`: the device's total memory (host RAM for the CPU)."""
     dev = torch.device(device if device is not None else "cpu")

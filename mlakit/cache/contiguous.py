@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
+from mlakit.cache.checks import check_allocation, check_compute_dtype, check_positive, check_slot, check_slots
 from mlakit.cache.plan import StepPlan, key_bucket
 from mlakit.cache.step import StepCache, row_counts  # noqa: F401  (re-exported)
 from mlakit.config import MLAConfig
@@ -40,6 +40,7 @@ class LatentCache(StepCache):
             ("num_layers", num_layers),
         ):
             check_positive(name, value)
+        check_compute_dtype(dtype)
         per_layer = batch_size * max_seq_len + 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_allocation(

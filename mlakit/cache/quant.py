@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlakit.cache.checks import check_compute_dtype
 from mlakit.config import MLAConfig
 
 QUANTS = (None, "fp8", "int8")
@@ -54,8 +55,7 @@ def check_quant(quant: str | None) -> None:
 def token_layout(cfg: MLAConfig, dtype: torch.dtype, quant: str | None) -> TokenLayout:
     """Where each part of a token sits in its row of bytes; each field aligned to its element size."""
     check_quant(quant)
-    if not dtype.is_floating_point or dtype.itemsize < 2:
-        raise ValueError(f"dtype must be a floating-point compute dtype of 16 bits or more, got {dtype}")
+    check_compute_dtype(dtype)
     latent_width = cfg.kv_lora_rank
     if quant == "fp8" and latent_width % FP8_GROUP:
         raise ValueError(f"fp8 needs kv_lora_rank divisible by {FP8_GROUP}, got {latent_width}")
