@@ -158,6 +158,7 @@ BAD = [
     ("stream-type", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stream-options", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("logit-bias", {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("prompt-logprobs", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("best-of", {"prompt": "a", "best_of": 3}, 400, "best_of"),
 ]
 BAD_CHAT = [

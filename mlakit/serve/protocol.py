@@ -50,6 +50,13 @@ def parse(body, chat: bool) -> GenerateRequest:
     if best_of is not None and best_of != n:
         raise bad_request("best_of", f"`best_of` is not supported (got {best_of}); use `n`")
     stream = fields.boolean(body, "stream")
+    if body.get("prompt_logprobs") is not None:
+        # vLLM's extension field; this server returns prompt log-probabilities the OpenAI way only
+        raise bad_request(
+            "prompt_logprobs",
+            "`prompt_logprobs` is not supported by this server: use `echo: true` with `logprobs` on "
+            "/v1/completions (the prompt tokens' log-probabilities, OpenAI's format)",
+        )
     return GenerateRequest(
         chat=chat,
         model=fields.string(body, "model"),
