@@ -199,3 +199,25 @@ def test_failing_plan_leaves_the_pool_as_it_was(monkeypatch):
         eng.step()
         eng.check()
     assert eng.kv.pool.num_used == 0
+
+
+def test_a_weights_only_folder_serves_token_ids_and_names_a_broken_tokenizer(tmp_path, monkeypatch):
+    """A folder with no tokenizer files (save_pretrained of a model alone) loads without a tokenizer:
+    token-id prompts run, text is refused by name; tokenizer files that do not load are a ValueError
+    naming the folder, before any weight is read."""
+    model = tiny_model("deepseek-v3")
+    model.save_pretrained(tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), dtype="fp32", num_blocks=16)
+    assert llm.get_tokenizer() is None
+    (out,) = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text", GREEDY, use_tqdm=False)
+    (tmp_path / "m" / "tokenizer.json").write_text("{not json")
+    loaded = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a) or 1 / 0
+    )
+    with pytest.raises(ValueError, match=r"its tokenizer files could not be loaded.*pass tokenizer="):
+        LLM(str(tmp_path / "m"), dtype="fp32", num_blocks=16)
+    assert not loaded

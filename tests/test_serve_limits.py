@@ -363,3 +363,21 @@ def test_the_prompt_too_long_among_several_is_named(fake):
     r = httpx.post(fake[0] + "/v1/completions", json={"prompt": prompts, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert r.json()["error"]["message"].endswith("(prompt 1)"), r.text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_folder_without_a_tokenizer_is_refused_in_one_line_before_loading(tiny, tmp_path, capsys, command):
+    import shutil
+
+    from mlakit.cli import main
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{tiny}/{name}", bare / name)
+    argv = [command, "--model", str(bare)] + (
+        ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer files" in err[0], err

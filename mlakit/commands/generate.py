@@ -127,6 +127,7 @@ def _config_and_tokenizer(model: str):
         raise ValueError(f"--model {model!r} is not 'demo' nor a folder with a config.json")
     from transformers import AutoConfig, AutoTokenizer
 
+    from mlakit.engine.load import TOKENIZER_FILES, has_tokenizer_files
     from mlakit.hf.families import FAMILIES
 
     config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -134,4 +135,6 @@ def _config_and_tokenizer(model: str):
         raise ValueError(
             f"--model {model!r}: model_type {config.model_type!r} is not an MLA family mlakit knows"
         )
+    if not has_tokenizer_files(model):
+        raise ValueError(f"--model {model!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     return config, AutoTokenizer.from_pretrained(model, local_files_only=True)

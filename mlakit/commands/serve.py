@@ -69,6 +69,19 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
+def _check_tokenizer(model: str) -> None:
+    """The server tokenizes and detokenizes: a weights-only folder is refused before it loads."""
+    import os
+
+    from mlakit.engine.load import TOKENIZER_FILES, has_tokenizer_files
+
+    if model != "demo" and os.path.isdir(model) and not has_tokenizer_files(model):
+        raise ValueError(
+            f"--model {model!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); mlakit serve "
+            "needs the model's tokenizer beside its weights"
+        )
+
+
 def run(args) -> int:
     _check_extra()
     _check_port(args.host, args.port)
@@ -78,6 +91,7 @@ def run(args) -> int:
     from mlakit.serve.adapter import EngineAdapter
     from mlakit.serve.app import build_app
 
+    _check_tokenizer(args.model)
     engine = LLMEngine(args.model, **engine_kwargs(args))
     name = args.served_model_name or args.model
     app = build_app(EngineAdapter(engine), name, **app_kwargs(args))

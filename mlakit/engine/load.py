@@ -138,13 +138,35 @@ def _load_folder(path: str, tokenizer, dtype, device):
         raise ValueError(
             f"model {path!r}: model_type {config.model_type!r} is not an MLA family mlakit knows"
         )
+    if tokenizer is None:
+        tokenizer = _folder_tokenizer(path, AutoTokenizer)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     m = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or native_16bit(device), local_files_only=True, device_map=None
     ).to(device)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return m.eval(), tokenizer
+
+
+# what a folder holds when it ships a tokenizer (transformers' fast and slow files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def _folder_tokenizer(path: str, auto):
+    """The folder's tokenizer, before any weight is loaded; None when it ships none (a weights-only
+    folder serves token-id prompts, as vLLM's skip_tokenizer_init: text is refused by name)."""
+    if not has_tokenizer_files(path):
+        return None
+    try:
+        return auto.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"model {path!r}: its tokenizer files could not be loaded ({type(e).__name__}: {e}); pass "
+            "tokenizer= a folder or tokenizer.json that loads"
+        ) from None
 
 
 def cache_blocks(num_blocks, cache_memory, bytes_per_page: int, device, most: int) -> int:
