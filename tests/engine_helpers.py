@@ -67,3 +67,15 @@ def reference(model, prompt_ids: list[list[int]], new_tokens: int):
             lps = [float(lg[0].float().log_softmax(-1)[t]) for lg, t in zip(g.logits, tokens, strict=True)]
             outs.append((tokens, lps))
     return outs
+
+
+def drain(eng) -> dict:
+    """Step an LLMEngine until nothing is left, checking its page invariants after every step; the
+    finished RequestOutputs by request id."""
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            eng.check()
+            if out.finished:
+                done[out.request_id] = out
+    return done

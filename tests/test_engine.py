@@ -10,7 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import prompts, reference, tiny_model  # noqa: E402
+from engine_helpers import drain, prompts, reference, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 from mlakit.engine.blocks import PagePool, page_hashes  # noqa: E402
@@ -21,16 +21,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 def engine(**kw):
     return LLMEngine(tiny_model("deepseek-v3"), **{**SMALL, **kw})
-
-
-def drain(eng) -> dict:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            eng.check()
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize(

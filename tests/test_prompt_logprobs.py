@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import prompts, tiny_model  # noqa: E402
+from engine_helpers import drain, prompts, tiny_model  # noqa: E402
 
 from mlakit.engine import LLMEngine, SamplingParams, scheduler  # noqa: E402
 from mlakit.engine import runner as runner_mod  # noqa: E402
@@ -34,16 +34,6 @@ def ref_logprobs(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), V] fp32 log-softmax of transformers' logits over the whole prompt (one forward)."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-
-
-def drain(eng) -> dict:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            eng.check()
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def check_entries(got: list, ref: torch.Tensor, ids: list[int], k: int) -> float:

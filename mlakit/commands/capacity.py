@@ -52,15 +52,17 @@ def add_capacity_args(p) -> None:
     )
 
 
-def capacity_from_args(cfg, args, groups) -> dict | None:
-    """The capacity section for --memory, or None without it; every flag checked before any arithmetic."""
+def capacity_from_args(cfg, args, groups=None, table=None) -> dict | None:
+    """The capacity section for --memory, or None without it; every flag checked before any arithmetic.
+    `table`: the capacity function (MLA's `capacity` by default, `v4_capacity` for a V4 model)."""
     if args.memory is None:
         if args.weights_memory is not None:
             raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
         return None
     memory = parse_bytes(args.memory, "memory")
     weights, on_disk = weights_from_args(args)
-    c = capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype, groups)
+    sizes = (cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype)
+    c = capacity(*sizes, groups) if table is None else table(*sizes)
     return with_disk_source(c, on_disk)
 
 

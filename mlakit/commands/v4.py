@@ -107,17 +107,10 @@ def run_cache(args) -> int:
 
 def v4_capacity_from_args(cfg: V4Config, args) -> dict | None:
     """`--memory` (with --tp, --cp, --weights-memory, --weights-dtype): the V4 capacity table."""
-    from mlakit.commands.capacity import parse_bytes, weights_from_args, with_disk_source
+    from mlakit.commands.capacity import capacity_from_args
     from mlakit.cost.v4_capacity import v4_capacity
 
-    if args.memory is None:
-        if args.weights_memory is not None:
-            raise ValueError("--weights-memory needs --memory (the memory per rank to plan for)")
-        return None
-    memory = parse_bytes(args.memory, "memory")
-    weights, on_disk = weights_from_args(args)
-    c = v4_capacity(cfg, args.context, memory, args.dtype, args.tp, args.cp, weights, args.weights_dtype)
-    return with_disk_source(c, on_disk)
+    return capacity_from_args(cfg, args, table=v4_capacity)
 
 
 def _per_rank(cfg: V4Config, args) -> dict:
