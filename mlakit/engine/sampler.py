@@ -45,16 +45,16 @@ def process(logits: torch.Tensor, params: list[SamplingParams], history=None, eo
         if any(p.penalized or p.min_tokens for p in params):
             raise ValueError("sampling with penalties or min_tokens needs each row's history")
         return logits
-    rows = [i for i, p in enumerate(params) if p.penalized or _banned(p, history[i], eos)]
+    banned = [_banned(p, history[i], eos) for i, p in enumerate(params)]
+    rows = [i for i, p in enumerate(params) if p.penalized or banned[i]]
     if not rows:
         return logits
     out = logits.clone()
     for i in rows:
         tokens, prompt_len = history[i]
         out[i] = penalize(out[i], params[i], tokens, prompt_len)
-        banned = _banned(params[i], history[i], eos)
-        if banned:
-            out[i, banned] = float("-inf")
+        if banned[i]:
+            out[i, banned[i]] = float("-inf")
     return out
 
 
