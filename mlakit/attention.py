@@ -10,19 +10,19 @@ from torch import nn
 
 from mlakit.cache.checks import int_list
 from mlakit.cache.contiguous import LatentCache, Slots
-from mlakit.cache.paged import PagedLatentCache, rows_reader
+from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.plan import RowGroup, StepPlan, local_plan
 from mlakit.cache.quant import hadamard
+from mlakit.cache.step import pack_rows
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
 from mlakit.linear import Linear
 from mlakit.ops import absorb, materialize
-from mlakit.ops.common import compute_dtype, core_dtype
+from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
-from mlakit.ops.paged import absorb_chunked, page_rows
+from mlakit.ops.paged import absorb_chunked
 from mlakit.ops.sparse import (
-    gather_rows,
     index_topk,
     sparse_absorb_gathered,
     sparse_materialize,
@@ -30,16 +30,6 @@ from mlakit.ops.sparse import (
 from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
-# the projections the short decode form multiplies by directly (see MLAAttention._lean_weights)
-_LEAN_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj")
-_LEAN_PROJECTIONS_Q_LORA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj")
-_LEAN_SHORT = {
-    "kv_a_proj_with_mqa": "kv_a",
-    "o_proj": "o",
-    "q_proj": "q",
-    "q_a_proj": "q_a",
-    "q_b_proj": "q_b",
-}
 
 
 class RMSNorm(nn.Module):
@@ -60,14 +50,15 @@ def project_unrotated(
     m: nn.Module, cfg: MLAConfig, hidden_states: torch.Tensor, q_resid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The projections of a module with transformers' MLA submodule names, before rope:
-    q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr]. `q_resid`: the
-    normalized query latent q_a_layernorm(q_a_proj(x)) when the caller has it already (DSA)."""
-    batch, new, _ = hidden_states.shape
+    q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr] (any leading shape:
+    packed tokens [N, D] give [N,H,dn], ...). `q_resid`: the normalized query latent
+    q_a_layernorm(q_a_proj(x)) when the caller has it already (DSA)."""
+    lead = hidden_states.shape[:-1]
     if cfg.q_lora_rank is None:
         q = m.q_proj(hidden_states)
     else:
         q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)) if q_resid is None else q_resid)
-    q = q.view(batch, new, cfg.num_heads, cfg.qk_head_dim)
+    q = q.view(*lead, cfg.num_heads, cfg.qk_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     latent = m.kv_a_proj_with_mqa(hidden_states)
     c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -77,10 +68,13 @@ def project_unrotated(
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention with transformers' parameter names.
 
-    `forward(hidden_states [B,S,D], plan) -> [B,S,D]` runs one layer of a planned step (see
-    `mlakit.cache.plan`); `forward(hidden_states, cache=None, *, mode="auto", slots=None,
-    new_tokens=None)` plans, runs and commits one step of this layer alone. `cache` is a
-    `LatentCache` or a `PagedLatentCache`; the layer reads and writes its layer `layer_idx`.
+    `forward(hidden_states, plan)` runs one layer of a planned step (see `mlakit.cache.plan`): the
+    step's tokens packed, [N, D] in the plan's order (what a serving engine passes), or the caller's
+    rectangle [B, S, D]; the output has the same shape. `forward(hidden_states [B,S,D], cache=None, *,
+    mode="auto", slots=None, new_tokens=None)` is a thin function over a one-step plan: it plans, runs
+    and commits one step of this layer alone. `cache` is a `LatentCache` or a `PagedLatentCache`; the
+    layer reads and writes its layer `layer_idx` through the plan's context (the cache, or the step's
+    own latents without one). What ran is reported by the plan (`plan.row_modes`, `plan.backend`).
     """
 
     def __init__(self, cfg: MLAConfig, *, layer_idx: int = 0, device=None, dtype=None):
@@ -108,16 +102,10 @@ class MLAAttention(nn.Module):
         self.rope = RotaryTable(cfg)
         self.scale = cfg.softmax_scale
         self.workspace_tokens = DEFAULT_WORKSPACE_TOKENS
-        self.last_mode: str | None = None
-        self.last_row_modes: list[str] = []
         # absorb over a paged cache: "auto" (the Triton kernel on CUDA with Triton installed, else the
         # torch path), "torch" (force the reference path) or "triton" (force the kernel); what ran is
-        # recorded in `last_backend` and on the step's plan (`plan.backend`)
+        # recorded on the step's plan (`plan.backend`)
         self.absorb_backend = "auto"
-        self.last_backend: str | None = None
-        # a plan with a lean form (one-token absorb decode) runs `_compute_lean` (~22 aten ops instead of
-        # ~80); False: always the general path (docs/cache.md says when that matters)
-        self.short_decode = True
         self._derived: torch.Tensor | None = None  # the reused buffer up_weights converts into
         # a measured crossover profile (mlakit.calibration) "auto" follows when it matches; None: analytic
         self.profile = None
@@ -195,6 +183,23 @@ class MLAAttention(nn.Module):
                     "mode, slots and new_tokens belong to the plan: pass them to cache.plan(...)"
                 )
             return self.run(hidden_states, cache, check_finite=check_finite)
+        return self.step(
+            hidden_states, cache, mode=mode, slots=slots, new_tokens=new_tokens, check_finite=check_finite
+        )[0]
+
+    def step(
+        self,
+        hidden_states: torch.Tensor,
+        cache: LatentCache | PagedLatentCache | None = None,
+        *,
+        mode: str = "auto",
+        slots: Slots = None,
+        new_tokens: torch.Tensor | Sequence[int] | None = None,
+        check_finite: bool = False,
+    ) -> tuple[torch.Tensor, StepPlan]:
+        """The one-layer call `layer(hidden_states, cache, ...)`, returning (output, its plan): the plan
+        made for this one step (committed; cache-less: a plan over the step's own latents) says what
+        ran (`plan.row_modes`, `plan.mode`, `plan.backend`)."""
         check_mode(mode)
         self._check_hidden(hidden_states)
         batch, new, _ = hidden_states.shape
@@ -211,47 +216,52 @@ class MLAAttention(nn.Module):
                 mode,
                 self.profile,
                 self.device,
+                self.dtype,
             )
             if check_finite:
                 _check_finite(hidden_states, plan)
-            out = self._compute(hidden_states, plan, None)
-        else:
-            self._check_cache(cache)
-            if cache.num_layers > 1:
-                raise ValueError(
-                    f"layer(hidden_states, cache) commits after one layer, but this cache holds "
-                    f"{cache.num_layers} layers: plan = cache.plan(...), then hidden = layer(hidden, plan) "
-                    "for every layer, then cache.commit(plan)"
-                )
-            if check_finite:
-                _check_finite(hidden_states, None if counts is None else _valid(counts, new, self.device))
-            plan = cache.plan(
-                new if counts is None else counts,
-                slots,
-                mode=mode,
-                profile=self.profile,
-                seq_len=new,
-                batch=batch,
-                bucket=False,  # one layer, eager: exactly the keys there are (no masked work)
+            return self._compute(hidden_states, plan, self.layer_idx), plan
+        self._check_cache(cache)
+        if cache.num_layers > 1:
+            raise ValueError(
+                f"layer(hidden_states, cache) commits after one layer, but this cache holds "
+                f"{cache.num_layers} layers: plan = cache.plan(...), then hidden = layer(hidden, plan) "
+                "for every layer, then cache.commit(plan)"
             )
-            try:
-                out = self._compute(hidden_states, plan, self.layer_idx)
-            except BaseException:
-                cache.discard(plan)
-                raise
-            cache.commit(plan)
-        self.last_mode = plan.mode
-        self.last_row_modes = list(plan.row_modes)
-        return out
+        if check_finite:
+            _check_finite(hidden_states, None if counts is None else _valid(counts, new, self.device))
+        plan = cache.plan(
+            new if counts is None else counts,
+            slots,
+            mode=mode,
+            profile=self.profile,
+            seq_len=new,
+            batch=batch,
+            bucket=False,  # one layer, eager: exactly the keys there are (no masked work)
+        )
+        try:
+            out = self._compute(hidden_states, plan, self.layer_idx)
+        except BaseException:
+            cache.discard(plan)
+            raise
+        cache.commit(plan)
+        return out, plan
 
     def run(self, hidden_states: torch.Tensor, plan: StepPlan, *, check_finite: bool = False) -> torch.Tensor:
         """One layer of a planned step: checks (host facts only), then `_compute`."""
         plan.check_open()
-        self._check_hidden(hidden_states)
-        if tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
+        self._check_hidden(hidden_states, packed=True)
+        if hidden_states.dim() == 2 and hidden_states.shape[0] != plan.num_tokens:
+            raise ValueError(
+                f"hidden_states has shape {tuple(hidden_states.shape)}, the plan packs "
+                f"[{plan.num_tokens}, {self.cfg.hidden_size}] (or the rectangle "
+                f"[{plan.batch}, {plan.seq_len}, {self.cfg.hidden_size}])"
+            )
+        if hidden_states.dim() == 3 and tuple(hidden_states.shape[:2]) != (plan.batch, plan.seq_len):
             raise ValueError(
                 f"hidden_states has shape {tuple(hidden_states.shape)}, the plan is for "
-                f"[{plan.batch}, {plan.seq_len}, {self.cfg.hidden_size}]"
+                f"[{plan.batch}, {plan.seq_len}, {self.cfg.hidden_size}] (or [{plan.num_tokens}, "
+                f"{self.cfg.hidden_size}] packed)"
             )
         self._check_cache(plan.cache)
         if plan.rope_key != self.rope.key:
@@ -261,284 +271,123 @@ class MLAAttention(nn.Module):
                 "layer's config"
             )
         if check_finite:
-            _check_finite(hidden_states, plan.valid)
+            _check_finite(hidden_states, plan)
         # claimed last: a refusal above leaves the plan's owners as they were
         if plan.cache is not None and not torch.compiler.is_dynamo_compiling():
             plan.claim(self.layer_idx, self)
         return self._compute(hidden_states, plan, self.layer_idx)
 
-    def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int | None) -> torch.Tensor:
-        """Projections, rope, cache write, the plan's paths, o_proj; nothing read back to the host."""
-        if plan.lean is not None and self._lean_allowed(plan):
-            return self._compute_lean(hidden_states, plan, layer)
-        return self._compute_general(hidden_states, plan, layer)
-
-    def _compute_general(self, hidden_states: torch.Tensor, plan: StepPlan, layer) -> torch.Tensor:
-        batch, new, _ = hidden_states.shape
-        q_resid = None if self.indexer is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
-        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, hidden_states, q_resid)
-        q_pe = apply_tables(q_pe, plan.rope_q)
-        k_pe = apply_tables(k_pe, plan.rope_k)
-        k_idx = None if self.indexer is None else self.indexer.keys(hidden_states, plan.cos, plan.sin)
-        if plan.cache is None:
-            # padding stays out of the context (its latent may be anything, even NaN)
-            keep = plan.valid[..., None]
-            local = (c_kv.where(keep, 0), k_pe.where(keep, 0))
-            if k_idx is not None:
-                local += (k_idx.where(keep, 0),)
+    def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int) -> torch.Tensor:
+        """Projections, rope, cache write, each row group's path, o_proj over the step's packed tokens;
+        nothing read back to the host. A rectangle [B, S, D] is packed first and unpacked at the end."""
+        rect = hidden_states.dim() == 3
+        x = pack_rows(hidden_states, plan) if rect else hidden_states  # [N, D]
+        q_resid = None if self.indexer is None else self.q_a_layernorm(self.q_a_proj(x))
+        q_nope, q_pe, c_kv, k_pe = project_unrotated(self, self.cfg, x, q_resid)  # [N, H, .], [N, .]
+        if plan.rotation is not None:  # decode rows only: one rotation matrix per token
+            q_pe = _rotate(q_pe, plan.rotation)
+            k_pe = _rotate(k_pe[:, None], plan.rotation)[:, 0]
         else:
-            plan.cache.write(plan, layer, c_kv, k_pe)
-            if k_idx is not None:
-                plan.cache.write_index(plan, layer, k_idx)
-            local = None
-        index_q = self._index_queries(plan, hidden_states, q_resid)
-        if plan.ragged:
-            q_nope, q_pe = _take(q_nope, plan.q_index), _take(q_pe, plan.q_index)
-        out = self._attend_groups(plan, layer, q_nope, q_pe, local, index_q)  # [B, S, H, dv]
-        if plan.ragged:
-            out = _take(out, plan.o_index)
-        out = self.o_proj(out.reshape(batch, new, -1))
-        if plan.ragged:
-            out = out.where(plan.valid[..., None], 0)
-        return out
+            q_pe = apply_tables(q_pe, plan.rope_q)
+            k_pe = apply_tables(k_pe, plan.rope_k)
+        ctx = plan.context
+        ctx.write(plan, layer, c_kv, k_pe)
+        if self.indexer is not None:
+            k_idx = self.indexer.keys(x[None], plan.cos[None], plan.sin[None])[0]
+            ctx.write_index(plan, layer, k_idx)
+        index_q = self._index_queries(plan, x, q_resid)
+        outs = []
+        for g in plan.groups:
+            t0, t1 = g.tokens
+            r, n = g.batch_rows, g.new
+            iq = None if index_q is None else tuple(t[t0:t1].unflatten(0, (r, n)) for t in index_q)
+            qn, qp = q_nope[t0:t1].unflatten(0, (r, n)), q_pe[t0:t1].unflatten(0, (r, n))
+            o = self._attend_group(plan, g, layer, qn, qp, iq)  # [R, new, H, dv]
+            outs.append(o.reshape(t1 - t0, -1))
+        out = self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [N, D]
+        if not rect:
+            return out
+        if plan.pack is None:
+            return out.view(plan.batch, plan.seq_len, -1)
+        full = out.new_zeros(plan.batch * plan.seq_len, out.shape[-1])
+        return full.index_copy(0, plan.pack, out).view(plan.batch, plan.seq_len, -1)
 
-    def _lean_allowed(self, plan: StepPlan) -> bool:
-        """The short decode form runs eagerly, without autograd, in the storage dtype, over the torch
-        absorb path (a paged cache on CUDA takes the fused kernel; torch.compile traces the general
-        path, whose views and masks it fuses anyway)."""
-        # (the plan has checked the rest: the cache's compute dtype is its storage dtype, which
-        # `run` checked is the layer's, and DSA steps get no lean form)
-        if torch.compiler.is_compiling() or not self.short_decode:
-            return False
-        # it multiplies in the storage dtype: a 16-bit cache on a CPU takes the fp32-score core instead
-        if core_dtype(self.dtype, self.device) != self.dtype:
-            return False
-        return not isinstance(plan.cache, PagedLatentCache) or (
-            _absorb_backend(self.absorb_backend, plan.cache.device) == "torch"
-        )
-
-    def _compute_lean(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int) -> torch.Tensor:
-        """One new token per row, absorb over one key block: the general path's arithmetic in ~22 aten
-        ops (at the tiny shape of benchmarks/plan_overhead.py, against 80).
-
-        What makes it short: 2-D activations through the projections; weight views (transposes, the
-        per-head split of kv_b_proj) made once (`_lean_weights`); rope as one bmm with the plan's
-        per-row rotation; the plan's additive mask as the input of the first score matmul; the
-        context as views the cache keeps (rows past a slot's length are zero there, so a masked
-        key's value is 0 · 0); projections, queries and values written by `out=` into workspaces laid
-        out so that no split, transpose or copy is needed before the next matmul (under grad mode the
-        query side runs plain ops instead: 28 ops). The results and gradients equal the general
-        path's to fp32 round-off (tests/test_lean.py runs both)."""
-        cfg, lean, cache = self.cfg, plan.lean, plan.cache
-        w = self._lean_weights()
-        if w is None:  # a projection is wrapped, hooked or replaced: run it through its module
-            return self._compute_general(hidden_states, plan, layer)
-        batch, heads = plan.batch, cfg.num_heads
-        x = hidden_states.reshape(batch, -1)  # [B, D]: one new token per row (a view when it can be)
-        # autograd records the call under grad mode (weights that require grad): `out=` is not
-        # differentiable, so the query side then runs plain matmuls and a transpose or two more
-        record = torch.is_grad_enabled() and (hidden_states.requires_grad or self._any_requires_grad())
-        ws = self._lean_workspace(batch)
-        with torch.no_grad():
-            # the keys reach attention through the cache (the general path reads them from there
-            # too): no gradient flows through this side in either path
-            _mm(x, w["kv_a"], self.kv_a_proj_with_mqa.bias, out=ws["kv"])  # [B, L + dr]
-            c_kv = self.kv_a_layernorm(ws["c_kv"])  # [B, 1, L]
-            k_pe = _rotate(ws["k_pe"], lean.rotation)  # [B, 1, dr]
-            cache.write(plan, layer, c_kv, k_pe)
-        q_a = None if cfg.q_lora_rank is None else self.q_a_layernorm(_mm(x, w["q_a"], self.q_a_proj.bias))
-        w_q = w["q"] if q_a is None else w["q_b"]
-        if record:
-            q = _mm(x if q_a is None else q_a, w_q, None).view(batch, heads, -1)
-            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        else:
-            _mm(x if q_a is None else q_a, w_q, None, out=ws["q"])
-            q_nope, q_pe = ws["q_nope"], ws["q_pe"]  # [B, H, dn], [B, H, dr]
-        q_pe = _rotate(q_pe, lean.rotation)  # [B, H, dr]
-        if record:
-            q_lat = torch.bmm(q_nope.transpose(0, 1), w["uk"]).transpose(0, 1)  # [B, H, L]
-        else:
-            torch.bmm(q_nope.transpose(0, 1), w["uk"], out=ws["q_lat_hb"])
-            q_lat = ws["q_lat"]  # [B, H, L]
-        c, c_t, k_t = cache.lean_context(layer, plan, record)
-        scores = torch.baddbmm(lean.bias, q_pe, k_t, alpha=self.scale)  # [B, H, T], -inf past kv_lens
-        scores.baddbmm_(q_lat, c_t, alpha=self.scale)
-        probs = torch.softmax(scores, dim=-1)
-        if record:
-            o_lat = torch.bmm(probs, c)  # [B, H, L]
-            out_t = torch.bmm(w["uv"], o_lat.permute(1, 2, 0)).view(-1, batch)  # [H·dv, B]
-            bias = self.o_proj.bias
-            out_t = (
-                torch.mm(self.o_proj.weight, out_t)
-                if bias is None
-                else torch.addmm(bias[:, None], self.o_proj.weight, out_t)
-            )
-            # [D, B] read as [B, 1, D]: a transposed view (no copy)
-            return out_t.as_strided((batch, 1, out_t.shape[0]), (1, out_t.numel(), batch))
-        torch.bmm(probs, c, out=ws["o_lat_bh"])  # o_lat [H, B, L]
-        torch.bmm(ws["o_lat"], w["uv_t"], out=ws["out_hb"])  # out [B, H, dv]
-        out = _mm(ws["out_flat"], w["o"], self.o_proj.bias)
-        if isinstance(cache, PagedLatentCache):
-            self.last_backend = "torch"
-            plan.backend = "torch" if plan.backend in (None, "torch") else "mixed"
-        return out.view(batch, 1, -1)
-
-    def _lean_projections(self) -> tuple[str, ...]:
-        return _LEAN_PROJECTIONS if self.cfg.q_lora_rank is None else _LEAN_PROJECTIONS_Q_LORA
-
-    def _any_requires_grad(self) -> bool:
-        """Whether a parameter of the query side requires grad (what makes autograd record the call)."""
-        names = self._lean_projections() + (() if self.cfg.q_lora_rank is None else ("q_a_layernorm",))
-        modules = self._modules
-        return any(p is not None and p.requires_grad for n in names for p in modules[n]._parameters.values())
-
-    def __getstate__(self) -> dict:
-        # kept weight views and workspaces share memory with the parameters only in this process
-        state = dict(super().__getstate__())
-        for name in ("_lean_views", "_lean_ws"):
-            state.pop(name, None)
-        return state
-
-    def _lean_weights(self) -> dict[str, torch.Tensor] | None:
-        """Views of the weights the short decode form multiplies by (transposed, split per head), made
-        once and kept while every weight is the same tensor: `.data` writes, `load_state_dict` into new
-        storage or `.to()` give new data pointers, and the views are made again. None when a projection
-        is not a plain mlakit Linear (replaced, wrapped, hooked): its module must run."""
-        names = self._lean_projections()
-        modules = self._modules
-        key = [torch.is_inference_mode_enabled()]
-        for name in names:
-            m = modules[name]
-            if type(m) is not Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-                return None
-            w = m._parameters.get("weight")  # absent under torch.nn.utils.parametrize
-            if w is None:
-                return None
-            key += (id(w), w.data_ptr(), w.shape, w.stride(), w.dtype)
-        mod = nn.modules.module
-        if mod._global_forward_hooks or mod._global_forward_pre_hooks:
-            return None
-        kept = self.__dict__.get("_lean_views")
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        cfg = self.cfg
-        # made under grad mode: a view keeps its link to the weight (views save no tensors, so one
-        # view node serves any number of backward passes); under no_grad the link is simply unused
-        with torch.enable_grad():
-            # slices, not split: autograd refuses a kept multi-output view once an optimizer step has
-            # changed its base in place
-            per_head = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
-            dn = cfg.qk_nope_head_dim
-            w_uk, w_uv = per_head[:, :dn], per_head[:, dn:]
-            views = {"uk": w_uk, "uv": w_uv, "uv_t": w_uv.transpose(1, 2)}
-            for name in names:
-                if name != "kv_b_proj":
-                    views[_LEAN_SHORT[name]] = modules[name].weight.t()
-        self._lean_views = (key, views)
-        return views
-
-    def _lean_workspace(self, batch: int) -> dict[str, torch.Tensor]:
-        """Buffers the short decode form writes by `out=` and their views, reused between calls (never
-        returned): q_lat [B, H, L] (filled head-major through "q_lat_hb"), o_lat [H, B, L] (filled
-        row-major through "o_lat_bh"), out [B, H, dv] (through "out_hb", read as "out_flat" [B, H·dv])."""
-        cfg = self.cfg
-        key = (batch, self.dtype, self.device, torch.is_inference_mode_enabled())
-        kept = self.__dict__.get("_lean_ws")
-        if kept is None or kept[0] != key:
-            f = {"dtype": self.dtype, "device": self.device}
-            h, latent = cfg.num_heads, cfg.kv_lora_rank
-            q_lat = torch.empty(batch, h, latent, **f)
-            o_lat = torch.empty(h, batch, latent, **f)
-            out = torch.empty(batch, h, cfg.v_head_dim, **f)
-            kv = torch.empty(batch, 1, cfg.latent_dim, **f)
-            q = torch.empty(batch, h, cfg.qk_head_dim, **f)
-            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-            bufs = {
-                "kv": kv.view(batch, -1),
-                "c_kv": kv[..., :latent],
-                "k_pe": kv[..., latent:],
-                "q": q.view(batch, -1),
-                "q_nope": q_nope,
-                "q_pe": q_pe,
-                "q_lat": q_lat,
-                "q_lat_hb": q_lat.transpose(0, 1),
-                "o_lat": o_lat,
-                "o_lat_bh": o_lat.transpose(0, 1),
-                "out_hb": out.transpose(0, 1),
-                "out_flat": out.view(batch, -1),
-            }
-            kept = self._lean_ws = (key, bufs)
-        return kept[1]
-
-    def _index_queries(self, plan, hidden_states, q_resid):
-        """(q_idx [B,S,H_I,d_I], weights [B,S,H_I] fp32) in the ops' query order when a group of the
-        plan is sparse; else None (the indexer only caches keys while every query sees <= k)."""
+    def _index_queries(self, plan, x, q_resid):
+        """(q_idx [N,H_I,d_I], weights [N,H_I] fp32) of the packed tokens when a group of the plan is
+        sparse; else None (the indexer only caches keys while every query sees <= k)."""
         if self.indexer is None or not any(g.path.startswith("sparse") for g in plan.groups):
             return None
-        q_idx = self.indexer.queries(q_resid, plan.cos, plan.sin)
-        w = self.indexer.weights(hidden_states)
-        if plan.ragged:
-            q_idx, w = _take(q_idx, plan.q_index), _take(w, plan.q_index)
-        return q_idx, w
+        q_idx = self.indexer.queries(q_resid[None], plan.cos[None], plan.sin[None])[0]
+        return q_idx, self.indexer.weights(x)
 
-    def _attend_groups(self, plan, layer, q_nope, q_pe, local, index_q=None) -> torch.Tensor:
-        if len(plan.groups) == 1:
-            return self._attend_group(plan, plan.groups[0], layer, q_nope, q_pe, local, index_q)
-        out = q_nope.new_zeros(*q_nope.shape[:3], self.cfg.v_head_dim)
-        for g in plan.groups:
-            iq = None if index_q is None else (index_q[0][g.rows], index_q[1][g.rows])
-            o = self._attend_group(plan, g, layer, q_nope[g.rows], q_pe[g.rows], local, iq)
-            out = out.index_copy(0, g.rows, o)
-        return out
-
-    def _attend_group(self, plan, g: RowGroup, layer, q_nope, q_pe, local, index_q=None) -> torch.Tensor:
-        """One path over one row group's context (a view, a gather or pages read chunk by chunk)."""
+    def _attend_group(self, plan, g: RowGroup, layer, q_nope, q_pe, index_q=None) -> torch.Tensor:
+        """One path over one row group's context, read through the plan's context (the cache or the
+        step's own latents): absorb over its keys (views, a gather, or pages in place), or
+        materialize over them; DSA past index_topk over the selected keys."""
         if g.path.startswith("sparse"):
-            return self._attend_sparse(plan, g, layer, q_nope, q_pe, local, index_q)
-        cache = plan.cache
-        if isinstance(cache, PagedLatentCache):
-            if g.path == "absorb":
-                return self._absorb_pages(plan, g, layer, q_nope, q_pe)
-            c_kv, k_pe = cache.gather(layer, g.read_rows)
-        elif cache is None:
-            c_kv, k_pe = local if g.rows is None else (local[0][g.rows], local[1][g.rows])
-        else:
-            c_kv, k_pe = cache.context(layer, g, g.key_len)
+            return self._attend_sparse(plan, g, layer, q_nope, q_pe, index_q)
+        ctx = plan.context
+        w_uk, w_uv = self.up_weights()
+        if g.path == "absorb":
+            paged = getattr(ctx, "layer_pages", None) is not None
+            backend = _absorb_backend(self.absorb_backend, ctx.device) if paged else None
+            if backend == "triton":
+                from mlakit.kernels import absorb_paged
+
+                r0, r1 = g.rows
+                out, _ = absorb_paged(
+                    q_nope,
+                    q_pe,
+                    ctx.layer_pages(layer),
+                    plan.block_table[r0:r1],
+                    g.kv_lens,
+                    w_uk,
+                    w_uv,
+                    self.scale,
+                    layout=ctx.layout,
+                )
+            else:
+                out, _ = absorb_chunked(
+                    q_nope,
+                    q_pe,
+                    ctx.key_reader(layer, g),
+                    g.kv_lens,
+                    w_uk,
+                    w_uv,
+                    self.scale,
+                    max_keys=g.key_len,
+                    pages=ctx.in_place(layer, g),
+                    bias=g.bias,
+                )
+            if paged:
+                plan.backend = backend if plan.backend in (None, backend) else "mixed"
+            return out
+        c_kv, k_pe = ctx.keys(layer, g)
         return self.attend(g.path, q_nope, q_pe, c_kv, k_pe, g.kv_lens, g.key_len)[0]
 
-    def _attend_sparse(self, plan, g: RowGroup, layer, q_nope, q_pe, local, index_q) -> torch.Tensor:
+    def _attend_sparse(self, plan, g: RowGroup, layer, q_nope, q_pe, index_q) -> torch.Tensor:
         """DSA over one row group: index scores over its cached indexer keys, top-k per query, then
         absorb over the gathered selection (or the dense masked form, where the cost model says)."""
-        cache = plan.cache
-        if cache is None:
-            local = local if g.rows is None else tuple(t[g.rows] for t in local)
-            k_ctx = local[2][:, : g.key_len]
-        else:
-            k_ctx = cache.index_keys(layer, g, g.key_len)
-            if getattr(cache, "index_rotation", False):
-                # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
-                index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
+        ctx = plan.context
+        k_ctx = ctx.index_keys(layer, g)
+        if getattr(ctx, "index_rotation", False):
+            # fp8 keys are kept Hadamard-rotated: (Hq)·(Hk) = q·k
+            index_q = (hadamard(index_q[0]).to(index_q[0].dtype), index_q[1])
         picked = index_topk(*index_q, k_ctx, g.kv_lens, self.cfg.index_topk, max_keys=g.key_len)  # [R, S, k]
         w_uk, w_uv = self.up_weights()
         if g.path == "sparse-absorb":
-            if cache is None:
-
-                def gather(rows):
-                    return gather_rows(local[0], rows), gather_rows(local[1], rows)
-
-            else:
-
-                def gather(rows):
-                    return cache.selected(layer, g, rows)
-
-            out, _ = sparse_absorb_gathered(q_nope, q_pe, gather, g.kv_lens, w_uk, w_uv, self.scale, picked)
+            out, _ = sparse_absorb_gathered(
+                q_nope,
+                q_pe,
+                lambda rows: ctx.selected(layer, g, rows),
+                g.kv_lens,
+                w_uk,
+                w_uv,
+                self.scale,
+                picked,
+            )
             return out
-        if cache is None:
-            c_kv, k_pe = local[0], local[1]
-        elif isinstance(cache, PagedLatentCache):
-            c_kv, k_pe = cache.gather(layer, g.read_rows)
-        else:
-            c_kv, k_pe = cache.context(layer, g, g.key_len)
+        c_kv, k_pe = ctx.keys(layer, g)
         out, _ = sparse_materialize(
             q_nope,
             q_pe,
@@ -552,30 +401,6 @@ class MLAAttention(nn.Module):
             workspace_tokens=self.workspace_tokens,
             max_keys=g.key_len,
         )
-        return out
-
-    def _absorb_pages(self, plan, g: RowGroup, layer, q_nope, q_pe) -> torch.Tensor:
-        """Absorb over one layer's pages: the fused kernel (block table, kv_lens on the device) or the
-        torch path (rows read chunk by chunk); records which one ran on the layer and the plan."""
-        cache = plan.cache
-        w_uk, w_uv = self.up_weights()
-        backend = _absorb_backend(self.absorb_backend, cache.device)
-        if backend == "triton":
-            from mlakit.kernels import absorb_paged
-
-            table = plan.block_table if g.rows is None else plan.block_table.index_select(0, g.rows)
-            pages = cache.layer_pages(layer)
-            out, _ = absorb_paged(
-                q_nope, q_pe, pages, table, g.kv_lens, w_uk, w_uv, self.scale, layout=cache.layout
-            )
-        else:
-            read = rows_reader(cache, layer, g.read_rows)
-            pages = page_rows(cache, layer, g.read_rows)
-            out, _ = absorb_chunked(
-                q_nope, q_pe, read, g.kv_lens, w_uk, w_uv, self.scale, max_keys=g.key_len, pages=pages
-            )
-        self.last_backend = backend
-        plan.backend = backend if plan.backend in (None, backend) else "mixed"
         return out
 
     def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys=None):
@@ -609,14 +434,15 @@ class MLAAttention(nn.Module):
         k_pe = self.rope.apply(k_pe, cos, sin)
         return q_nope, q_pe, c_kv, k_pe
 
-    def _check_hidden(self, x: torch.Tensor) -> None:
+    def _check_hidden(self, x: torch.Tensor, packed: bool = False) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"hidden_states must be a tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"hidden_states must be [batch, seq, hidden], got shape {tuple(x.shape)}")
+        if x.dim() != 3 and not (packed and x.dim() == 2):
+            want = "[tokens, hidden] (packed) or [batch, seq, hidden]" if packed else "[batch, seq, hidden]"
+            raise ValueError(f"hidden_states must be {want}, got shape {tuple(x.shape)}")
         if x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"hidden_states has width {x.shape[-1]}, layer expects {self.cfg.hidden_size}")
-        if x.shape[0] == 0 or x.shape[1] == 0:
+        if 0 in x.shape[:-1]:
             raise ValueError(f"hidden_states has shape {tuple(x.shape)}; batch and new tokens must be >= 1")
         if x.dtype != self.dtype:
             raise ValueError(f"hidden_states has dtype {x.dtype}, layer holds {self.dtype}")
@@ -718,13 +544,6 @@ def _absorb_backend(choice: str, device: torch.device) -> str:
     return pick_backend(device, choice)
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
-    """x [N, in] · w_t [in, out] (+ bias): one aten op (into `out` when given)."""
-    if bias is None:
-        return torch.mm(x, w_t, out=out)
-    return torch.addmm(bias, x, w_t, out=out)
-
-
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rope of x [B, n, dr] by per-row rotations [B, dr, dr] (rope.rotation_matrices), in the
     rotation's dtype (fp32 for 16-bit x, as `apply_tables` rotates), back in x's dtype."""
@@ -733,16 +552,15 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.to(rotation.dtype), rotation).to(x.dtype)
 
 
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, S, ...] → x[b, index[b, i]] [B, S, ...]: a gather along the token axis."""
-    idx = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
-    return torch.gather(x, 1, idx)
-
-
 def _check_finite(x: torch.Tensor, valid) -> None:
     """Refuse NaN/inf at real positions (`valid` [B,S] bool or a plan; None: every position)."""
-    valid = getattr(valid, "valid", valid)
-    finite = torch.isfinite(x).all(dim=-1)  # [B, S]
+    if isinstance(valid, StepPlan):
+        valid = (
+            None
+            if x.dim() == 2 or valid.pack is None
+            else _valid(valid.counts.tolist(), x.shape[1], x.device)
+        )
+    finite = torch.isfinite(x).all(dim=-1)  # [B, S] or [N]
     if valid is not None:
         finite = finite | ~valid
     if not bool(finite.all()):

@@ -117,8 +117,8 @@ class RopeTables:
     second: torch.Tensor
 
     def unsqueeze_heads(self) -> RopeTables:
-        """The same tables broadcast over a head axis: [B, S, dr] → [B, S, 1, dr]."""
-        return RopeTables(self.cos[:, :, None], self.sin[:, :, None], self.first, self.second)
+        """The same tables broadcast over a head axis: [..., dr] → [..., 1, dr]."""
+        return RopeTables(self.cos.unsqueeze(-2), self.sin.unsqueeze(-2), self.first, self.second)
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> RopeTables:

@@ -208,14 +208,14 @@ def test_auto_follows_the_dispatcher_and_records_the_mode():
     layer = make_layer(cfg, seed=15)
     cache = LatentCache(cfg, 2, 80)
     with torch.no_grad():
-        layer(randn(2, 40, 64, seed=16), cache, mode="auto")
-        assert layer.last_mode == choose(cfg, 40, [0, 0]) == "materialize"
-        layer(randn(2, 1, 64, seed=17), cache, mode="auto")
-        assert layer.last_mode == choose(cfg, 1, [40, 40]) == "absorb"
-        layer(randn(1, 30, 64, seed=18), cache, mode="auto", slots=[1])
-        assert layer.last_mode == choose(cfg, 30, [41])
-        layer(randn(1, 1, 64, seed=19), cache, mode="materialize")
-        assert layer.last_mode == "materialize"
+        _, plan = layer.step(randn(2, 40, 64, seed=16), cache, mode="auto")
+        assert plan.mode == choose(cfg, 40, [0, 0]) == "materialize"
+        _, plan = layer.step(randn(2, 1, 64, seed=17), cache, mode="auto")
+        assert plan.mode == choose(cfg, 1, [40, 40]) == "absorb"
+        _, plan = layer.step(randn(1, 30, 64, seed=18), cache, mode="auto", slots=[1])
+        assert plan.mode == choose(cfg, 30, [41])
+        _, plan = layer.step(randn(1, 1, 64, seed=19), cache, mode="materialize")
+        assert plan.mode == "materialize"
 
 
 def test_state_dict_has_transformers_names_only():

@@ -421,8 +421,8 @@ def test_profile_roundtrip_find_and_attach(cache_dir):
     # 256 cached tokens (written: lengths cannot be raised over tokens never written)
     cache.append(torch.zeros(1, 256, TINY.kv_lora_rank), torch.zeros(1, 256, TINY.qk_rope_head_dim))
     with torch.inference_mode():
-        layer(hidden, cache, mode="auto")
-    assert layer.last_mode == "materialize"  # 20 new tokens >= the measured 12.5
+        _, plan = layer.step(hidden, cache, mode="auto")
+    assert plan.mode == "materialize"  # 20 new tokens >= the measured 12.5
 
 
 def test_profile_rejects_foreign_json(tmp_path):

@@ -34,8 +34,9 @@ def run_ours(layer, cache, chunks, mode="auto"):
     outs, modes = [], []
     with torch.no_grad():
         for x in chunks:
-            outs.append(layer(x, cache, mode=mode))
-            modes.append(layer.last_mode)
+            out, plan = layer.step(x, cache, mode=mode)
+            outs.append(out)
+            modes.append(plan.mode)
     return torch.cat(outs, dim=1), modes
 
 
@@ -92,8 +93,8 @@ def test_ragged_batch_rows_match_their_own_runs():
     counts = [14, 7, 11]  # prefill past k for rows 0 and 2; row 1 sees <= k: dense
     cache = LatentCache(cfg, 3, 40)
     with torch.no_grad():
-        prefill = layer(x, cache, new_tokens=counts)
-        modes = list(layer.last_row_modes)
+        prefill, plan = layer.step(x, cache, new_tokens=counts)
+        modes = list(plan.row_modes)
         step = randn(3, 1, HIDDEN, seed=25)
         decode = layer(step, cache)
         for b, n in enumerate(counts):
@@ -131,8 +132,8 @@ def test_no_cache_prefill_past_k_is_sparse():
     cfg, layer = our_layer(config, attn)
     for mode in ("absorb", "materialize", "auto"):
         with torch.no_grad():
-            got = layer(x, mode=mode)
-        assert layer.last_mode.startswith("sparse-")
+            got, plan = layer.step(x, mode=mode)
+        assert plan.mode.startswith("sparse-")
         assert_close(f"no cache {mode}", got, want)
 
 

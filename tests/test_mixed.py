@@ -53,8 +53,8 @@ def test_mixed_batch_equals_per_row_calls(kind, mode):
     counts = [COUNTS[s] for s in slots]
     x = x[slots]
     with torch.no_grad():
-        got = layer(x, mixed, slots=slots, new_tokens=counts, mode=mode)
-        modes = layer.last_row_modes
+        got, plan = layer.step(x, mixed, slots=slots, new_tokens=counts, mode=mode)
+        modes = list(plan.row_modes)
         for row, (slot, n) in enumerate(zip(slots, counts, strict=True)):
             want = layer(x[row : row + 1, :n], per_row, slots=[slot], mode=mode)
             assert_close(f"row {row} (slot {slot}, {n} new)", got[row, :n], want[0])
@@ -76,9 +76,9 @@ def test_auto_routes_decode_rows_to_absorb_and_long_prefill_rows_to_materialize(
     layer = make_layer(cfg)
     cache = prefilled("paged", cfg, layer)
     with torch.no_grad():
-        layer(padded_batch(cfg, COUNTS, seed=2), cache, new_tokens=COUNTS)
-    assert layer.last_row_modes == ["absorb", "materialize", "absorb", "materialize"]
-    assert layer.last_mode == "mixed"
+        _, plan = layer.step(padded_batch(cfg, COUNTS, seed=2), cache, new_tokens=COUNTS)
+    assert list(plan.row_modes) == ["absorb", "materialize", "absorb", "materialize"]
+    assert plan.mode == "mixed"
 
 
 @pytest.mark.parametrize("counts", [[1, 6, 3], [6, 6, 6]], ids=["ragged", "uniform"])

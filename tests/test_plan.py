@@ -280,12 +280,20 @@ def test_step_with_a_key_bucket_attends_only_real_keys():
     cache = make_cache("contiguous")
     plan = cache.plan(3, batch=2)
     assert plan.key_len == 16 and plan.kv_lens.tolist() == [3, 3]
-    assert plan.positions.tolist() == [[0, 1, 2]] * 2
+    assert plan.positions.tolist() == [0, 1, 2] * 2  # packed: row after row
+    assert plan.query_start_loc_cpu == [0, 3, 6] and plan.num_tokens == 6 and not plan.ragged
     write_every_layer(cache, plan)
     cache.commit(plan)
     plan = cache.plan([1, 14], seq_len=14)
     assert plan.key_len == 32 and plan.kv_lens.tolist() == [4, 17]
-    assert plan.ragged and plan.valid.sum().item() == 15
+    # 15 real tokens of a [2, 14] rectangle: the decode row first, then the extend chunk
+    assert plan.ragged and plan.num_tokens == 15 and plan.pack.tolist() == [0, *range(14, 28)]
+    assert plan.query_start_loc.tolist() == [0, 1, 15] and plan.seq_lens.tolist() == [4, 17]
+    assert (plan.num_decodes, plan.num_extends, plan.num_prefills) == (1, 1, 0)
+    assert [(g.kind, g.rows, g.tokens) for g in plan.groups] == [
+        ("decode", (0, 1), (0, 1)),
+        ("extend", (1, 2), (1, 15)),
+    ]
 
 
 def test_check_finite_refuses_nan_at_real_positions_only():
@@ -315,7 +323,7 @@ def test_paged_plan_block_table_is_fixed_within_a_bucket_and_locates_every_row()
         for b in range(2):
             t = torch.arange(int(plan.kv_lens[b]))
             rows = plan.block_table[b, t // size].long() * size + t % size
-            assert torch.equal(rows[-3:], plan.write_rows[b])
+            assert torch.equal(rows[-3:], plan.slot_mapping[3 * b : 3 * b + 3])
         write_every_layer(cache, plan)
         cache.commit(plan)
     assert widths == [(2, 4)] * 5 + [(2, 8)]  # 16 keys (4 pages of 4) until the context passes 16

@@ -54,8 +54,8 @@ def test_a_nan_in_a_dsa_slot_makes_its_outputs_nan_from_then_on_and_nowhere_else
     x = randn(2, 10, DSA.hidden_size, seed=5)
     x[0, 3] = float("nan")
     with torch.no_grad():
-        prefill = layer(x[:, :8], cache, mode=mode)
-        assert layer.last_mode.startswith("sparse")
+        prefill, plan = layer.step(x[:, :8], cache, mode=mode)
+        assert plan.mode.startswith("sparse")
         outs = [layer(x[:, t : t + 1], cache, mode=mode) for t in (8, 9)]
     # NaN from that step on (docs/cache.md; the masked dense form may spread it to the step's earlier
     # queries: 0 · NaN), never to another slot
@@ -83,9 +83,10 @@ def test_a_non_finite_hidden_poisons_its_slot_over_every_page_format(value, fami
     with torch.no_grad():
         for cache, h in zip(caches, (poisoned, x), strict=True):
             outs = [layer(h[:, :24], cache, mode=mode)]
-            outs += [layer(h[:, t : t + 1], cache, mode=mode) for t in (24, 25, 26)]
+            steps = [layer.step(h[:, t : t + 1], cache, mode=mode) for t in (24, 25, 26)]
+            outs += [out for out, _ in steps]
             runs.append(outs)
-    assert layer.last_mode.startswith("sparse") == (family == "dsa")
+    assert steps[-1][1].mode.startswith("sparse") == (family == "dsa")
     got, clean = runs
     # the poisoned slot: non-finite from the poisoned token on, in the prefill and every decode step
     assert not torch.isfinite(got[0][0, 2:]).any()

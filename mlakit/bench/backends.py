@@ -80,13 +80,16 @@ def sparse_step(mode: str, dtype: torch.dtype | None = None) -> Prepare:
             x = CellInputs(*(t.to(dtype) for t in (x.hidden, x.c_kv, x.k_pe)))
         cache = _sparse_cache(ctx, cell, x)
 
+        ran = {}
+
         def run() -> torch.Tensor:
-            return layer(x.hidden, cache, mode=mode).to(ctx.dtype)
+            out, ran["plan"] = layer.step(x.hidden, cache, mode=mode)
+            return out.to(ctx.dtype)
 
         return Step(
             run=run,
             reset=lambda: cache.lengths.fill_(cell.cached),
-            describe=lambda: {"path": layer.last_mode} if mode == "auto" else {},
+            describe=lambda: {"path": ran["plan"].mode} if mode == "auto" else {},
         )
 
     return prepare
@@ -99,16 +102,20 @@ def mlakit_step(mode: str, op=None) -> Prepare:
         cache = _latent_cache(ctx, cell, x)
         layer = ctx.layer
 
+        ran = {}
+
         def run() -> torch.Tensor:
             if op is None:
-                return layer(x.hidden, cache, mode=mode)
+                out, ran["plan"] = layer.step(x.hidden, cache, mode=mode)
+                return out
             with layer.using(op):
-                return layer(x.hidden, cache, mode=mode)
+                out, ran["plan"] = layer.step(x.hidden, cache, mode=mode)
+                return out
 
         return Step(
             run=run,
             reset=lambda: cache.lengths.fill_(cell.cached),
-            describe=lambda: {"path": layer.last_mode} if mode == "auto" else {},
+            describe=lambda: {"path": ran["plan"].mode} if mode == "auto" else {},
         )
 
     return prepare

@@ -29,11 +29,12 @@ class BenchLayer(MLAAttention):
         finally:
             self.op = None
 
-    def attend(self, run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys=None):
+    def _attend_group(self, plan, g, layer, q_nope, q_pe, index_q=None):
         if self.op is None:
-            return super().attend(run, q_nope, q_pe, c_kv, k_pe, kv_lens, max_keys)
+            return super()._attend_group(plan, g, layer, q_nope, q_pe, index_q)
         w_uk, w_uv = self.up_weights()
-        return self.op(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale)
+        c_kv, k_pe = plan.context.keys(layer, g)
+        return self.op(q_nope, q_pe, c_kv, k_pe, g.kv_lens, w_uk, w_uv, self.scale)[0]
 
 
 def einsum_absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, scale):

@@ -68,8 +68,6 @@ class LatentCache(StepCache):
         # rows of each slot that may hold data (never lowered but by zeroing them): rows at or past a
         # slot's length read by a step are zero, so that a masked key's value is 0, never a stale NaN
         self._dirty = [0] * batch_size
-        # views handed to the short decode form, kept while slots and bucket stay (see lean_context)
-        self._lean_views: dict = {}
         self._make_aliases()
         self._init_step(cfg, device)
 
@@ -85,13 +83,11 @@ class LatentCache(StepCache):
     def __getstate__(self) -> dict:
         # aliases and kept views share memory with the buffers only in this process: made again on load
         state = self.__dict__.copy()
-        for name in ("_aliases", "_lean_views"):
-            state.pop(name, None)
+        state.pop("_aliases", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lean_views = {}
         self._make_aliases()
 
     @property
@@ -201,32 +197,6 @@ class LatentCache(StepCache):
     def _index_rows(self, layer: int) -> torch.Tensor:
         return self._i_rows[layer] if torch.compiler.is_compiling() else self._aliases[layer][2]
 
-    def lean_ready(self, group) -> bool:
-        """Whether the short decode form can read this row group's context as views (consecutive slots)."""
-        return group.slot_start is not None
-
-    def lean_context(
-        self, layer: int, plan, record: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form:
-        views of the layer's rows, made once per (slots, bucket) and then reused by every step and layer
-        (rows past a slot's length are zero: see `_reserve`). `record` changes nothing here: each layer's
-        views have their own version counter (`_layer_rows`), which autograd checks."""
-        g = plan.groups[0]
-        key = (g.slot_start, plan.lean.rows, g.key_len, torch.is_inference_mode_enabled())
-        views = self._lean_views.get(key)
-        if views is None:
-            s0, r, t = g.slot_start, plan.lean.rows, self.max_seq_len
-            rows = slice(s0 * t, (s0 + r) * t)
-            views = []
-            for layer_idx in range(self.num_layers):
-                c_rows, k_rows = self._layer_rows(layer_idx)
-                c = c_rows[rows].view(r, t, -1)[:, : g.key_len]
-                k = k_rows[rows].view(r, t, -1)[:, : g.key_len]
-                views.append((c, c.transpose(1, 2), k.transpose(1, 2)))
-            self._lean_views = {key: views}  # one set: a new bucket replaces the last
-        return views[layer]
-
     def _rows_of(self, slots: torch.Tensor):
         def rows_of(rows: torch.Tensor, key_len: int):
             s = slots[rows]
@@ -240,20 +210,21 @@ class LatentCache(StepCache):
         return key_bucket(keys, cap=self.max_seq_len)
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Write one layer's new latents c_kv [B,S,L] and rope keys k_pe [B,S,dr] at the plan's rows."""
-        step = self._check_write(plan, layer, c_kv, k_pe)
-        rows = (plan.write_rows,)  # [B, S]: indexes the layer's rows directly, no reshape
+        """Write one layer's new latents c_kv [N, L] and rope keys k_pe [N, dr] (packed; or the caller's
+        rectangle [B, S, ...]) at the plan's rows (`plan.slot_mapping`)."""
+        step, c_kv, k_pe = self._check_write(plan, layer, c_kv, k_pe)
+        rows = plan.slot_mapping
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             if torch.compiler.is_compiling():
                 # into the buffers themselves: a write into a layer's view makes inductor copy the
                 # whole buffer back at every layer (docs/compile.md)
-                at = (torch.full_like(plan.write_rows, layer), plan.write_rows)
+                at = (torch.full_like(rows, layer), rows)
                 self._c_rows.index_put_(at, c_kv)
                 self._k_rows.index_put_(at, k_pe)
             else:
                 c_rows, k_rows = self._layer_rows(layer)  # made once: two select ops a call saved
-                c_rows.index_put_(rows, c_kv)
-                k_rows.index_put_(rows, k_pe)
+                c_rows.index_put_((rows,), c_kv)
+                k_rows.index_put_((rows,), k_pe)
         step.ran.add(layer)
 
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +233,22 @@ class LatentCache(StepCache):
         if torch.compiler.is_compiling():
             return self._c_rows[layer], self._k_rows[layer]
         return self._aliases[layer][0], self._aliases[layer][1]
+
+    # the context interface every cache kind provides (`LocalContext` for a cache-less step too):
+    # keys, key_reader, in_place, index_keys, selected
+    def keys(self, layer: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
+        consecutive, else a gather."""
+        return self.context(layer, group, group.key_len)
+
+    def key_reader(self, layer: int, group):
+        """read(start, stop) over a row group's keys (views of its context)."""
+        c, k = self.keys(layer, group)
+        return lambda start, stop: (c[:, start:stop], k[:, start:stop])
+
+    def in_place(self, layer: int, group) -> None:
+        """Pages for the fused core to read in place: none (the context is a view already)."""
+        return None
 
     def context(self, layer: int, group, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group: a view when its slots are
@@ -278,19 +265,20 @@ class LatentCache(StepCache):
         return c_all[group.slots, :key_len], k_all[group.slots, :key_len]
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
-        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
-        self._check_write_index(plan, layer, k_idx)
-        rows = plan.write_rows.reshape(-1)
-        keys = k_idx.detach().reshape(rows.numel(), -1)
+        """Write one layer's new DSA indexer keys k_idx [N, d_I] (or [B, S, d_I]) in the same rows as
+        their latents; refused (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses,
+        before any change."""
+        keys = self._check_write_index(plan, layer, k_idx).detach()
+        rows = plan.slot_mapping
         with torch.no_grad():
             if torch.compiler.is_compiling():  # into the buffer itself, as in `write`
                 self._i_rows.index_put_((torch.full_like(rows, layer), rows), keys)
                 return
             self._index_rows(layer).index_copy_(0, rows, keys)
 
-    def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
+    def index_keys(self, layer: int, group, key_len: int | None = None) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I]: a view when its slots are consecutive."""
+        key_len = group.key_len if key_len is None else key_len
         keys = self._index_rows(layer)[:-1].view(self.batch_size, self.max_seq_len, -1)
         if group.slot_start is not None:
             s0, r = group.slot_start, group.kv_lens.shape[0]

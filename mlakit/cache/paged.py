@@ -96,7 +96,7 @@ class PagedLatentCache(StepCache):
         else:
             store_dtype, width = torch.uint8, layout.row_bytes
         self._store = torch.zeros(num_layers, per_layer, width, dtype=store_dtype, device=device)
-        self._views: dict = {}  # views made once: per-layer fields, the short decode form's workspace
+        self._views: dict = {}  # views made once: per-layer fields
         self.lengths = torch.zeros(max_batch, dtype=torch.long)
         self.last_slot_mapping: torch.Tensor | None = None
         self._init_step(cfg, device)
@@ -132,40 +132,6 @@ class PagedLatentCache(StepCache):
                 (self._field(i, lay.latent), self._field(i, lay.rope)) for i in range(self.num_layers)
             ]
         return views[layer]
-
-    def lean_ready(self, group) -> bool:
-        """Whether the short decode form can gather this group's context: unquantized [c_kv | k_pe] rows."""
-        lay = self.layout
-        packed = lay.rope.offset == lay.latent.count * lay.latent.dtype.itemsize
-        return lay.quant is None and lay.index is None and packed
-
-    def lean_context(
-        self, layer: int, plan, record: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(c_kv [R, T, L], c_kvᵀ [R, L, T], k_peᵀ [R, dr, T]) of one layer for the short decode form: the
-        rows [c_kv | k_pe] of the step's keys gathered in one index_select into a workspace the cache
-        keeps per (rows, bucket) and reuses for every layer and step (views of it made once).
-        `record` (autograd saves the context for its backward): one workspace per layer, so that the
-        next layer's gather cannot overwrite what an earlier layer's backward reads (the next step's
-        does: autograd then refuses the stale backward)."""
-        r, t = plan.lean.rows, plan.groups[0].key_len
-        key = ("lean", r, t, torch.is_inference_mode_enabled(), record)
-        entry = self._views.get(key)
-        if entry is None:
-            for old in [k for k in self._views if k[0] == "lean" and k[-1] == record]:
-                del self._views[old]  # one set per kind: a new bucket replaces the last
-            width, latent = self.cfg.latent_dim, self.cfg.kv_lora_rank
-            entry = self._views[key] = []
-            for i in range(self.num_layers):
-                if i == 0 or record:
-                    ws = torch.empty(r * t, width, dtype=self.dtype, device=self.device)
-                    rows = ws.view(r, t, width)
-                    c, k = rows[..., :latent], rows[..., latent:]
-                    views = (c, c.transpose(1, 2), k.transpose(1, 2))
-                entry.append((ws, self._store[i], views))
-        ws, pool, views = entry[layer]
-        torch.index_select(pool, 0, plan.lean.gather_rows, out=ws)
-        return views
 
     @property
     def quant(self) -> str | None:
@@ -321,26 +287,21 @@ class PagedLatentCache(StepCache):
         return table_of
 
     def write(self, plan: StepPlan, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Write one layer's new tokens at the plan's rows; quantizes the latent."""
-        step = self._check_write(plan, layer, c_kv, k_pe)
-        lay = self.layout
+        """Write one layer's new tokens (c_kv [N, L], k_pe [N, dr] packed, or the caller's rectangle) at
+        the plan's rows (`plan.slot_mapping`); quantizes the latent."""
+        step, c_kv, k_pe = self._check_write(plan, layer, c_kv, k_pe)
+        lay, target = self.layout, plan.slot_mapping
         with torch.no_grad():  # no_grad: the cache never joins the graph (no detach needed)
             if lay.quant is None and torch.compiler.is_compiling():
-                self._put_rows(layer, plan.write_rows.reshape(-1), [(lay.latent, c_kv), (lay.rope, k_pe)])
-                step.ran.add(layer)
-                return
-            if lay.quant is None:
-                # [B, S] rows index the pool directly: no reshape of the rows or the values
+                self._put_rows(layer, target, [(lay.latent, c_kv), (lay.rope, k_pe)])
+            elif lay.quant is None:
                 latent, rope = self._fields(layer)
-                latent.index_put_((plan.write_rows,), c_kv)
-                rope.index_put_((plan.write_rows,), k_pe)
-                step.ran.add(layer)
-                return
-            target = plan.write_rows.reshape(-1)
-            latent = c_kv.detach().reshape(target.numel(), -1)
-            values, scale = quantize(latent, lay.quant)
-            rope = k_pe.detach().to(lay.rope.dtype)
-            self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
+                latent.index_put_((target,), c_kv)
+                rope.index_put_((target,), k_pe)
+            else:
+                values, scale = quantize(c_kv.detach(), lay.quant)
+                rope = k_pe.detach().to(lay.rope.dtype)
+                self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
         step.ran.add(layer)
 
     def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
@@ -358,12 +319,12 @@ class PagedLatentCache(StepCache):
         store.index_put_((torch.full_like(target, layer), target), new)
 
     def write_index(self, plan: StepPlan, layer: int, k_idx: torch.Tensor) -> None:
-        """Write one layer's new DSA indexer keys k_idx [B,S,d_I] in the same rows as their latents; refused
-        (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses, before any change."""
-        self._check_write_index(plan, layer, k_idx)
-        target = plan.write_rows.reshape(-1)
+        """Write one layer's new DSA indexer keys k_idx [N, d_I] (or [B, S, d_I]) in the same rows as
+        their latents; refused (ValueError naming `plan`, `layer` or `k_idx`) as `write` refuses,
+        before any change."""
+        keys = self._check_write_index(plan, layer, k_idx).detach()
+        target = plan.slot_mapping
         lay = self.layout
-        keys = k_idx.detach().reshape(target.numel(), -1)
         with torch.no_grad():
             if lay.quant is None and torch.compiler.is_compiling():
                 self._put_rows(layer, target, [(lay.index, keys)])
@@ -376,10 +337,27 @@ class PagedLatentCache(StepCache):
                 values, scale = quantize(keys, lay.quant, groups, pow2=lay.quant == "fp8")
                 self._put_rows(layer, target, [(lay.index, values), (lay.index_scale, scale)])
 
-    def index_keys(self, layer: int, group, key_len: int) -> torch.Tensor:
+    # the context interface every cache kind provides: keys, key_reader, in_place, index_keys, selected
+    def keys(self, layer: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv [R, key_len, L], k_pe [R, key_len, dr]) of a row group, gathered (and dequantized)."""
+        return self.gather(layer, group.read_rows)
+
+    def key_reader(self, layer: int, group):
+        """read(start, stop) over a row group's keys, gathered chunk by chunk."""
+        return rows_reader(self, layer, group.read_rows)
+
+    def in_place(self, layer: int, group):
+        """(c_kv rows, k_pe rows, key rows) for the fused core to read the pages in place; None when
+        the pages are quantized."""
+        if self.layout.quant is not None:
+            return None
+        latent, rope = self._fields(layer)
+        return latent, rope, group.read_rows
+
+    def index_keys(self, layer: int, group, key_len: int | None = None) -> torch.Tensor:
         """A row group's cached indexer keys [R, key_len, d_I] in the compute dtype (zeros past lengths);
         Hadamard-rotated when `index_rotation`."""
-        rows = group.read_rows[:, :key_len]
+        rows = group.read_rows if key_len is None else group.read_rows[:, :key_len]
         flat = rows.reshape(-1)
         lay, pool = self.layout, self._store[layer]
         keys = self._field(layer, lay.index).index_select(0, flat)

@@ -2,8 +2,10 @@
 
 `cache.plan(new_tokens, slots)` checks the step, allocates its rows and builds the device tensors
 below; every layer then reads them (`layer(hidden, plan)`) without reading a tensor value back to
-the host; `cache.commit(plan)` advances `lengths` once. vLLM's attention metadata and FlashMLA's
-scheduler metadata play the same part.
+the host; `cache.commit(plan)` advances `lengths` once. The step's tokens are one packed axis (`N`,
+the sum of the rows' new tokens; no padding), its rows ordered decode -> extend -> prefill, and the
+plan carries what vLLM's attention metadata carries: `query_start_loc`, `seq_lens`, `slot_mapping`
+and the block table.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from mlakit.dispatch import choose, sparse_path
 from mlakit.ops.absorb import KEY_BLOCK
-from mlakit.ops.common import compute_dtype
+from mlakit.ops.common import core_dtype
 from mlakit.rope import _work_dtype, rotation_matrices
 
 # the smallest key bucket: short contexts share one shape
@@ -39,65 +41,81 @@ def key_bucket(keys: int, multiple: int = 1, cap: int | None = None) -> int:
 
 @dataclass(eq=False)
 class RowGroup:
-    """Rows of the step that run one path, with what that path reads."""
+    """Rows of the step that run one path over one kind of chunk, with what that path reads. The rows
+    of a group are consecutive in the plan's order (decode -> extend -> prefill), and so are their
+    packed tokens: a group's queries and outputs are views of the step's `[N, ...]` tensors."""
 
     path: str  # "absorb" | "materialize" | "sparse-absorb" | "sparse-materialize" (DSA past index_topk)
-    rows: torch.Tensor | None  # [R] long (device): the group's batch rows; None: every row
+    kind: str  # "decode" (one new token a row) | "extend" (a chunk over a cached prefix) | "prefill"
+    rows: tuple[int, int]  # plan rows [r0, r1)
+    tokens: tuple[int, int]  # packed tokens [t0, t1) = (r1 - r0) rows x `new` tokens
+    new: int  # new tokens (queries) of each row
     kv_lens: torch.Tensor  # [R] long (device): context after the step
     key_len: int  # the bucket: keys attended (masked past kv_lens)
     slots: torch.Tensor | None  # [R] long (device), contiguous cache: the slots to gather
     slot_start: int | None  # contiguous cache: first slot when the slots are consecutive (a view)
     read_rows: torch.Tensor | None  # [R, key_len] long (device), paged cache: row of each key
+    # [R, new, key_len] additive mask in the attention core's dtype (0 visible, -inf hidden), built once
+    # per plan for the one-block absorb (keys hidden from every query hold zeros in every cache)
+    bias: torch.Tensor | None = None
 
-
-@dataclass(eq=False)
-class LeanStep:
-    """What the short decode form of a planned absorb call reads (one new token per row, one row group
-    on absorb, one key block, matmuls in the storage dtype): built once per step so that each layer
-    runs ~22 aten ops (`MLAAttention._compute_lean`). Device tensors only; `rows` is a host fact."""
-
-    bias: torch.Tensor  # [B, 1, key_len] in the cache dtype: 0 where a key is visible, -inf past kv_lens
-    rotation: torch.Tensor  # [B, dr, dr] (fp32, fp64 for fp64): k @ R is the rotated key, per row
-    gather_rows: torch.Tensor | None  # [B * key_len] long (paged): row of each key, a view of read_rows
-    rows: int
+    @property
+    def batch_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
 
 
 @dataclass(eq=False)
 class StepPlan:
     """One step of a model over a cache. Device tensors (what layers read) come first, then host facts
     that stay the same from step to step inside a bucket, then the bookkeeping `commit` uses (layers
-    never read it)."""
+    never read it).
+
+    Two orders: the caller's rows (`slots`, `starts`, `counts`, `kv_lens`, `row_modes`: as given to
+    `cache.plan`) and the plan's rows, decode -> extend -> prefill (`order[i]` is the caller's row of plan
+    row i); the packed tokens and every per-row tensor of the step (`query_start_loc`, `seq_lens`,
+    `block_table`, the groups) follow the plan's order. Hidden states reach a layer packed, `[N, D]` in
+    the plan's order, or as the caller's rectangle `[batch, seq_len, D]` (row b's first counts[b]
+    positions are its tokens; the rest is padding, never read, zero in the output)."""
 
     cache: object
-    positions: torch.Tensor  # [B, S] long: position of each new token (padding continues the row)
-    cos: torch.Tensor  # [B, S, dr/2] fp32: rope tables of those positions, YaRN factor applied
-    sin: torch.Tensor  # [B, S, dr/2]
-    write_rows: torch.Tensor  # [B, S] long: row of each new token in a layer's rows (padding: spare row)
-    kv_lens: torch.Tensor  # [B] long: context of each row after the step
-    valid: torch.Tensor  # [B, S] bool: position i of row b is one of its new tokens
-    q_index: torch.Tensor | None  # [B, S] long: ragged rows, query window j <- token q_index[b, j]
-    o_index: torch.Tensor | None  # [B, S] long: and back, token i <- window o_index[b, i]
-    # [B, key_len / block_size] int32 (paged): pages of each row, sentinel past (fixed width in a bucket)
+    positions: torch.Tensor  # [N] long: position of each packed token
+    cos: torch.Tensor  # [N, dr/2] fp32: rope tables of those positions, YaRN factor applied
+    sin: torch.Tensor  # [N, dr/2]
+    slot_mapping: torch.Tensor | None  # [N] long: the cache row each token writes (None: no cache)
+    query_start_loc: torch.Tensor  # [B + 1] int32: plan row i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] long: context of each plan row after the step
+    # [B, key_len / block_size] int32 (paged, plan order): pages of each row, sentinel past
     block_table: torch.Tensor | None
+    # [N] long: flat index in [batch * seq_len] of each packed token (None: the rectangle is the packing)
+    pack: torch.Tensor | None
     groups: tuple[RowGroup, ...]
     batch: int
     seq_len: int
+    num_tokens: int
     key_len: int  # the step's bucket (the largest of its groups')
     rope_key: tuple
-    row_modes: tuple[str, ...]
-    slots: torch.Tensor = field(repr=False)  # [B] CPU long
-    starts: torch.Tensor = field(repr=False)  # [B] CPU long: lengths before the step
-    counts: torch.Tensor = field(repr=False)  # [B] CPU long: new tokens of each row
+    row_modes: tuple[str, ...]  # the path of each caller row
+    query_start_loc_cpu: list = field(repr=False, default_factory=list)
+    seq_lens_cpu: list = field(repr=False, default_factory=list)
+    order: tuple = field(repr=False, default=())
+    num_decodes: int = 0
+    num_extends: int = 0
+    num_prefills: int = 0
+    kv_lens: torch.Tensor | None = field(default=None, repr=False)  # [B] long (device), caller order
+    slots: torch.Tensor = field(default=None, repr=False)  # [B] CPU long
+    starts: torch.Tensor = field(default=None, repr=False)  # [B] CPU long: lengths before the step
+    counts: torch.Tensor = field(default=None, repr=False)  # [B] CPU long: new tokens of each row
     # "open" until committed, discarded, superseded by a newer plan or made stale (`why` says how)
     state: str = "open"
     # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
     backend: str | None = None
-    # cos/sin in the full-width form `mlakit.rope.apply_tables` reads: keys [B, S, dr], queries
-    # [B, S, 1, dr] (built once per step so that each layer rotates in a few ops)
+    # rope in the full-width form `mlakit.rope.apply_tables` reads: keys [N, dr], queries [N, 1, dr];
+    # and, for a step of decode rows only, one rotation per token [N, dr, dr] (a bmm per tensor)
     rope_k: object = field(default=None, repr=False)
     rope_q: object = field(default=None, repr=False)
-    # the short decode form's tensors when the step qualifies (see `lean_step`); None: the general path
-    lean: LeanStep | None = field(default=None, repr=False)
+    rotation: torch.Tensor | None = field(default=None, repr=False)
+    # the step's own latents per layer when there is no cache (`LocalContext`)
+    local: object = field(default=None, repr=False)
     # the protocol's host bookkeeping (layers never read it; no device sync): the layers that wrote the
     # step's rows (`cache.write` records them), why the plan is no longer open, the `lengths` tensor
     # and its version when last seen (a cheap test that nothing lowered a slot's length since), and
@@ -108,12 +126,18 @@ class StepPlan:
     why: str | None = field(default=None, repr=False)
     seen: tuple | None = field(default=None, repr=False)
     host: StepPlan | None = field(default=None, repr=False)
-    # what `cache.write` takes: (c_kv shape, k_pe shape, dtype, device index), made once per plan
+    # what `cache.write` takes: (packed shape, rectangle shape, dtype, device index), made once per plan
     write_facts: tuple | None = field(default=None, repr=False)
 
     @property
     def ragged(self) -> bool:
-        return self.q_index is not None
+        """Whether the caller's rectangle holds padding or rows out of the plan's order."""
+        return self.pack is not None
+
+    @property
+    def context(self):
+        """What the layers read the latents from: the cache, or the step's own (`LocalContext`)."""
+        return self.local if self.cache is None else self.cache
 
     @property
     def mode(self) -> str:
@@ -140,15 +164,12 @@ class StepPlan:
                     "capture another graph"
                 )
         pairs = [(self.rope_k.cos, other.rope_k.cos), (self.rope_k.sin, other.rope_k.sin)]
-        for name in ("positions", "cos", "sin", "write_rows", "kv_lens", "valid", "q_index", "o_index"):
+        names = ("positions", "cos", "sin", "slot_mapping", "query_start_loc", "seq_lens", "kv_lens")
+        for name in (*names, "block_table", "pack", "rotation"):
             pairs.append((getattr(self, name), getattr(other, name)))
-        pairs.append((self.block_table, other.block_table))
         for mine_g, theirs_g in zip(self.groups, other.groups, strict=True):
-            for name in ("rows", "kv_lens", "slots", "read_rows"):
+            for name in ("kv_lens", "slots", "read_rows", "bias"):
                 pairs.append((getattr(mine_g, name), getattr(theirs_g, name)))
-        if self.lean is not None:
-            # gather_rows is a view of the group's read_rows: refilled with it
-            pairs += [(self.lean.bias, other.lean.bias), (self.lean.rotation, other.lean.rotation)]
         for dst, src in pairs:
             if (dst is None) != (src is None) or (dst is not None and dst.shape != src.shape):
                 raise ValueError("plans differ in shape: capture another graph")
@@ -219,15 +240,16 @@ def _host_facts(plan: StepPlan) -> dict:
         "cache": id(plan.cache),
         "batch": plan.batch,
         "seq_len": plan.seq_len,
+        "num_tokens": plan.num_tokens,
         "key_len": plan.key_len,
         "row_modes": plan.row_modes,
         "ragged": plan.ragged,
+        "order": plan.order,
         "rope_key": plan.rope_key,
         "slots": plan.slots.tolist(),
         "counts": plan.counts.tolist(),
-        "lean rows": None if plan.lean is None else plan.lean.rows,
-        "row groups (bucket, first consecutive slot, every row, gathered)": [
-            (g.key_len, g.slot_start, g.rows is None, g.slots is None) for g in plan.groups
+        "row groups (path, kind, rows, bucket, first consecutive slot, gathered)": [
+            (g.path, g.kind, g.rows, g.key_len, g.slot_start, g.slots is None) for g in plan.groups
         ],
     }
 
@@ -253,39 +275,34 @@ def decide_paths(cfg, starts: list[int], counts: list[int], uniform: bool, mode:
     return [choose(cfg, c, s, profile=profile) for c, s in zip(counts, starts, strict=True)]
 
 
-def ragged_indices(counts: torch.Tensor, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged rows: the ops' queries are the last tokens of a context, so row b's n_b tokens move to
-    the end of a window of width S (the first S - n_b entries repeat token 0 and are discarded)."""
-    i = torch.arange(seq_len)[None, :]
-    shift = (seq_len - counts)[:, None]  # [B, 1]
-    q_index = (i - shift).clamp_min(0)  # [B, S]
-    o_index = (i + shift).clamp_max(seq_len - 1)  # [B, S]
-    return q_index.to(device), o_index.to(device)
+def row_kind(start: int, count: int) -> str:
+    """ "decode" (one new token), "extend" (a chunk over a cached prefix) or "prefill" (from position 0)."""
+    if count == 1:
+        return "decode"
+    return "extend" if start > 0 else "prefill"
 
 
-def build_groups(
-    paths: list[str], kv_lens: torch.Tensor, slots: torch.Tensor, device, bucket, rows_of
-) -> tuple:
-    """One RowGroup per path, in a fixed order. `rows_of(rows, key_len)` gives (slots, slot_start,
-    read_rows) for the rows of a group; `bucket(keys)` the key length."""
+KIND_ORDER = {"decode": 0, "extend": 1, "prefill": 2}
+
+
+def plan_order(starts: list[int], counts: list[int], paths: list[str]) -> list[int]:
+    """The plan's row order: decode rows first, then extends, then prefills; inside each kind rows of one
+    path and one chunk length together (each run becomes one group); otherwise the caller's order."""
+    kinds = [row_kind(s, c) for s, c in zip(starts, counts, strict=True)]
+    return sorted(range(len(counts)), key=lambda b: (KIND_ORDER[kinds[b]], paths[b], counts[b]))
+
+
+def group_rows(order: list[int], starts: list[int], counts: list[int], paths: list[str]) -> list[tuple]:
+    """(path, kind, r0, r1) per group over the plan's rows: runs of rows of one kind, path and chunk
+    length (their queries are a rectangle [R, new] of the packed tokens: a view)."""
     groups = []
-    for path in sorted(set(paths)):
-        rows = torch.tensor([b for b, p in enumerate(paths) if p == path], dtype=torch.long)
-        key_len = bucket(int(kv_lens[rows].max()))
-        dev_slots, slot_start, read_rows = rows_of(rows, key_len)
-        every = rows.numel() == len(paths)
-        groups.append(
-            RowGroup(
-                path,
-                None if every else rows.to(device),
-                kv_lens[rows].to(device),
-                key_len,
-                dev_slots,
-                slot_start,
-                read_rows,
-            )
-        )
-    return tuple(groups)
+    for i, b in enumerate(order):
+        key = (paths[b], row_kind(starts[b], counts[b]), counts[b])
+        if groups and groups[-1][0] == key:
+            groups[-1][2] = i + 1
+        else:
+            groups.append([key, i, i + 1])
+    return [(key[0], key[1], r0, r1) for key, r0, r1 in groups]
 
 
 def make_plan(
@@ -296,117 +313,189 @@ def make_plan(
     seq_len: int,
     mode: str,
     profile,
-    write_rows: torch.Tensor,
+    write_rows: torch.Tensor | None,
     bucket,
     rows_of,
     table_of=None,
     paths: list[str] | None = None,
+    starts: list[int] | None = None,
 ) -> StepPlan:
-    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows (`paths`:
-    the path of each row when decided already)."""
-    device = cache.device
-    slot_t = torch.tensor(slots, dtype=torch.long)
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    starts = cache.lengths[slot_t].clone()
-    kv_lens = starts + counts_t
-    positions = starts[:, None] + torch.arange(seq_len)  # [B, S]
+    """Assemble a StepPlan once the cache has checked the step and given its new tokens rows
+    (`write_rows` [B, >= counts[b]]: row b's tokens' cache rows in its first counts[b] entries; `paths`:
+    the path of each row when decided already; `starts`: the lengths before the step, else read from
+    the cache). `rows_of(rows, key_len)` gives (slots, slot_start, read_rows) of a group's caller rows,
+    `table_of(key_len)` the block table of the caller's rows (paged)."""
+    device = cache.device if cache is not None else None
+    batch = len(counts)
+    if starts is None:
+        starts = cache.lengths[torch.tensor(slots, dtype=torch.long)].tolist()
     if paths is None:
-        paths = decide_paths(cache.cfg, starts.tolist(), counts, uniform, mode, profile)
-    ragged = bool((counts_t != seq_len).any())
-    q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
-    cos, sin = cache.rope.cos_sin(positions.to(device))
-    rope_k = cache.rope.full_tables(cos, sin)
-    groups = build_groups(paths, kv_lens, slot_t, device, bucket, rows_of)
+        paths = decide_paths(cache.cfg, starts, counts, uniform, mode, profile)
+    order = plan_order(starts, counts, paths)
+    kv = [s + c for s, c in zip(starts, counts, strict=True)]
+    # the packed axis, in the plan's order
+    qsl = [0]
+    for b in order:
+        qsl.append(qsl[-1] + counts[b])
+    positions = torch.cat([torch.arange(starts[b], kv[b]) for b in order])
+    identity = order == list(range(batch))
+    pack = None
+    if not identity or any(c != seq_len for c in counts):
+        pack = torch.cat([torch.arange(b * seq_len, b * seq_len + counts[b]) for b in order]).to(device)
+    rope = cache.rope
+    cos, sin = rope.cos_sin(positions.to(device))
+    rope_k = rope.full_tables(cos, sin)
+    all_decode = all(c == 1 for c in counts)
+    rotation = rotation_matrices(rope_k, _work_dtype(cache.dtype)) if all_decode else None
+    slot_mapping = None
+    if write_rows is not None:
+        slot_mapping = torch.cat([write_rows[b, : counts[b]] for b in order]).to(device)
+    order_t = torch.tensor(order, dtype=torch.long)
+    kv_t = torch.tensor(kv, dtype=torch.long)
+    groups = []
+    core = core_dtype(cache.dtype, device)
+    for path, kind, r0, r1 in group_rows(order, starts, counts, paths):
+        rows = order_t[r0:r1]
+        new = counts[order[r0]]
+        key_len = bucket(int(kv_t[rows].max()))
+        dev_slots, slot_start, read_rows = rows_of(rows, key_len)
+        g_lens = kv_t[rows].to(device)
+        groups.append(
+            RowGroup(
+                path,
+                kind,
+                (r0, r1),
+                (qsl[r0], qsl[r1]),
+                new,
+                g_lens,
+                key_len,
+                dev_slots,
+                slot_start,
+                read_rows,
+                _bias(path, g_lens, new, key_len, core, device),
+            )
+        )
     key_len = max(g.key_len for g in groups)
-    lean = lean_step(cache, groups, seq_len, ragged, rope_k)
+    table = None
+    if table_of is not None:
+        table = table_of(key_len)
+        if not identity:
+            table = table.index_select(0, order_t.to(table.device))
+    kinds = [row_kind(starts[b], counts[b]) for b in order]
+    seq_lens_cpu = [kv[b] for b in order]
+    dt = cache.dtype
     return StepPlan(
         cache=cache,
         positions=positions.to(device),
         cos=cos,
         sin=sin,
-        write_rows=write_rows.to(device),
-        kv_lens=kv_lens.to(device),
-        valid=(torch.arange(seq_len)[None, :] < counts_t[:, None]).to(device),
-        q_index=q_index,
-        o_index=o_index,
-        block_table=None if table_of is None else table_of(key_len),
-        groups=groups,
-        batch=len(slots),
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.long).to(device),
+        block_table=table,
+        pack=pack,
+        groups=tuple(groups),
+        batch=batch,
         seq_len=seq_len,
+        num_tokens=qsl[-1],
         key_len=key_len,
-        rope_key=cache.rope.key,
+        rope_key=rope.key,
         row_modes=tuple(paths),
-        slots=slot_t,
-        starts=starts,
-        counts=counts_t,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens_cpu,
+        order=tuple(order),
+        num_decodes=kinds.count("decode"),
+        num_extends=kinds.count("extend"),
+        num_prefills=kinds.count("prefill"),
+        kv_lens=kv_t.to(device),
+        slots=torch.tensor(slots, dtype=torch.long),
+        starts=torch.tensor(starts, dtype=torch.long),
+        counts=torch.tensor(counts, dtype=torch.long),
         rope_k=rope_k,
         rope_q=rope_k.unsqueeze_heads(),
-        lean=lean,
+        rotation=rotation,
         write_facts=(
-            (len(slots), seq_len, cache.cfg.kv_lora_rank),
-            (len(slots), seq_len, cache.cfg.qk_rope_head_dim),
-            cache.dtype,
-            -1 if device.index is None else device.index,
+            (qsl[-1], batch, seq_len, cache.cfg.kv_lora_rank, cache.cfg.qk_rope_head_dim),
+            dt,
+            -1 if device is None or device.index is None else device.index,
         ),
     )
 
 
-def lean_step(cache, groups, seq_len: int, ragged: bool, rope_k) -> LeanStep | None:
-    """The short decode form's tensors, or None when the step needs the general path: more than one
-    new token, ragged rows, several row groups or a path other than absorb, DSA, more keys than one
-    block, matmuls in another dtype than the storage's (bf16 on a CPU without native bf16), or a
-    context the cache cannot hand out as it stands (non-consecutive slots, a quantized paged cache)."""
-    if seq_len != 1 or ragged or len(groups) != 1 or cache.cfg.is_sparse:
+def _bias(path: str, kv_lens: torch.Tensor, new: int, key_len: int, dtype, device) -> torch.Tensor | None:
+    """The additive causal mask [R, new, key_len] of a group that absorbs over one key block (0 where
+    query i of a row, at position kv_lens - new + i, sees the key; -inf past it)."""
+    if path != "absorb" or key_len > KEY_BLOCK:
         return None
-    (g,) = groups
-    dtype, device = cache.dtype, cache.device
-    if g.path != "absorb" or g.key_len > KEY_BLOCK or compute_dtype(dtype, device) != dtype:
+    keys = torch.arange(key_len, device=device)
+    query = kv_lens[:, None] - new + torch.arange(new, device=device)  # [R, new]
+    hidden = keys[None, None, :] > query[:, :, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+
+
+class LocalContext:
+    """The context of a cache-less step: each layer's own new latents, packed [N, ...]; row r of the
+    step attends over its own tokens only (positions 0..). What the layers read through, as a cache."""
+
+    def __init__(self, plan_rope_dtype, device):
+        self.dtype, self.device = plan_rope_dtype, device
+        self.layers: dict = {}
+
+    def write(self, plan, layer, c_kv, k_pe) -> None:
+        self.layers[layer] = [c_kv, k_pe, None]
+
+    def write_index(self, plan, layer, k_idx) -> None:
+        self.layers[layer][2] = k_idx
+
+    def _rows(self, layer, g, field: int) -> torch.Tensor:
+        t = self.layers[layer][field]
+        t0, t1 = g.tokens
+        return t[t0:t1].view(g.batch_rows, g.new, -1)
+
+    def keys(self, layer, g) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(layer, g, 0), self._rows(layer, g, 1)
+
+    def key_reader(self, layer, g):
+        c, k = self.keys(layer, g)
+        return lambda start, stop: (c[:, start:stop], k[:, start:stop])
+
+    def in_place(self, layer, g):
         return None
-    if not cache.lean_ready(g):
-        return None
-    keys = torch.arange(g.key_len, device=device)
-    hidden = keys[None, :] >= g.kv_lens[:, None]  # the one query of row b sits at kv_lens[b] - 1
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-    rotation = rotation_matrices(rope_k, _work_dtype(dtype))[:, 0]  # [B, dr, dr]
-    gather = None if g.read_rows is None else g.read_rows.view(-1)
-    return LeanStep(bias[:, None, :], rotation, gather, g.kv_lens.shape[0])
+
+    def index_keys(self, layer, g, key_len=None) -> torch.Tensor:
+        return self._rows(layer, g, 2)
+
+    def selected(self, layer, g, positions):
+        from mlakit.ops.sparse import gather_rows
+
+        c, k = self.keys(layer, g)
+        return gather_rows(c, positions), gather_rows(k, positions)
 
 
 def local_plan(
-    cfg, rope, counts: list[int], uniform: bool, seq_len: int, mode: str, profile, device
+    cfg, rope, counts: list[int], uniform: bool, seq_len: int, mode: str, profile, device, dtype
 ) -> StepPlan:
     """A plan without a cache: every row attends over its own new tokens only (positions 0..)."""
+
+    class _Facts:  # what make_plan reads of a cache
+        pass
+
+    facts = _Facts()
+    facts.cfg, facts.rope, facts.dtype, facts.device = cfg, rope, dtype, torch.device(device)
     batch = len(counts)
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    positions = torch.arange(seq_len).expand(batch, seq_len)
-    paths = decide_paths(cfg, [0] * batch, counts, uniform, mode, profile)
-    ragged = bool((counts_t != seq_len).any())
-    q_index, o_index = ragged_indices(counts_t, seq_len, device) if ragged else (None, None)
-    cos, sin = rope.cos_sin(positions.to(device))
-    rope_k = rope.full_tables(cos, sin)
-    groups = build_groups(
-        paths, counts_t, counts_t, device, lambda keys: seq_len, lambda rows, k: (None, 0, None)
+    plan = make_plan(
+        facts,
+        list(range(batch)),
+        counts,
+        uniform,
+        seq_len,
+        mode,
+        profile,
+        None,
+        lambda keys: keys,
+        lambda rows, k: (None, None, None),
+        starts=[0] * batch,
     )
-    return StepPlan(
-        cache=None,
-        positions=positions.to(device),
-        cos=cos,
-        sin=sin,
-        write_rows=None,
-        kv_lens=counts_t.to(device),
-        valid=(torch.arange(seq_len)[None, :] < counts_t[:, None]).to(device),
-        q_index=q_index,
-        o_index=o_index,
-        block_table=None,
-        groups=groups,
-        batch=batch,
-        seq_len=seq_len,
-        key_len=seq_len,
-        rope_key=rope.key,
-        row_modes=tuple(paths),
-        slots=torch.arange(batch),
-        starts=torch.zeros(batch, dtype=torch.long),
-        counts=counts_t,
-        rope_k=rope_k,
-        rope_q=rope_k.unsqueeze_heads(),
-    )
+    plan.cache = None
+    plan.local = LocalContext(dtype, facts.device)
+    return plan

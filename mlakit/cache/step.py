@@ -100,6 +100,7 @@ class StepCache(StepBook):
                 self._rows_of(slot_ids),
                 self._table_of(slot_ids),
                 paths=paths,
+                starts=starts,
             )
         except BaseException:
             self._undo(undo)
@@ -160,7 +161,7 @@ class StepCache(StepBook):
         if layers is not None:
             # the layers that did not write keep no stale rows under the new tokens (a reused page
             # may hold a released request's latents): zeroed, as the contiguous cache's new rows are
-            rows = step.write_rows.reshape(-1)
+            rows = step.slot_mapping
             for i in range(self.num_layers):
                 if i not in step.ran:
                     self._zero_rows(i, rows)
@@ -209,33 +210,35 @@ class StepCache(StepBook):
         self.commit(plan)
         return plan.slots
 
-    def _check_write(self, plan, layer, c_kv, k_pe) -> StepPlan:
+    def _check_write(self, plan, layer, c_kv, k_pe) -> tuple:
         """Checks of `write` (host facts only: no tensor op, no device sync; ~1 us when they pass);
-        returns the plan's step, on which the write then records `layer`."""
+        returns (the plan's step, on which the write then records `layer`, c_kv [N, L], k_pe [N, dr]
+        packed: the caller's rectangle [B, S, ...] is packed here)."""
         if type(plan) is not StepPlan or plan.cache is not self:
             self._check_plan(plan)
         step = plan if plan.host is None else plan.host
         step.check_open()
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
-        c_shape, k_shape, dtype, device = plan.write_facts
+        (n, b, s, latent, rope), dtype, device = plan.write_facts
         ok = (
             isinstance(c_kv, torch.Tensor)
             and isinstance(k_pe, torch.Tensor)
-            and c_kv.shape == c_shape
-            and k_pe.shape == k_shape
             and c_kv.dtype is dtype
             and k_pe.dtype is dtype
             # the device index (-1: the CPU): cheaper than building torch.device objects
             and c_kv.get_device() == k_pe.get_device() == device
         )
-        if not ok:
-            self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe)
-        return step
+        if ok and c_kv.shape == (n, latent) and k_pe.shape == (n, rope):
+            return step, c_kv, k_pe
+        if ok and c_kv.shape == (b, s, latent) and k_pe.shape == (b, s, rope):
+            return step, pack_rows(c_kv, plan), pack_rows(k_pe, plan)
+        self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe, n)
 
-    def _check_write_index(self, plan, layer, k_idx) -> None:
+    def _check_write_index(self, plan, layer, k_idx) -> torch.Tensor:
         """Checks of `write_index` (host facts only, as `_check_write`): the plan open, `layer` in range,
-        k_idx [B, S, index_head_dim] in the cache's dtype and on its device."""
+        k_idx [N, index_head_dim] (or the rectangle [B, S, index_head_dim]) in the cache's dtype and on
+        its device; returns it packed."""
         if type(plan) is not StepPlan or plan.cache is not self:
             self._check_plan(plan)
         plan.check_open()
@@ -244,22 +247,29 @@ class StepCache(StepBook):
         width = self.cfg.index_head_dim
         if not self.cfg.is_sparse:
             raise ValueError("k_idx: this cache holds no indexer keys (its config is dense MLA, not DSA)")
-        want = (plan.batch, plan.seq_len, width)
-        device = plan.write_facts[3]
-        if not isinstance(k_idx, torch.Tensor) or k_idx.shape != want:
+        packed, want = (plan.num_tokens, width), (plan.batch, plan.seq_len, width)
+        device = plan.write_facts[2]
+        if not isinstance(k_idx, torch.Tensor) or k_idx.shape not in (packed, want):
             shape = tuple(k_idx.shape) if isinstance(k_idx, torch.Tensor) else type(k_idx).__name__
-            raise ValueError(f"k_idx has shape {shape}, the plan writes {want}")
+            raise ValueError(f"k_idx has shape {shape}, the plan writes {want} (or {packed} packed)")
         if k_idx.dtype is not self.dtype or k_idx.get_device() != device:
             raise ValueError(
                 f"k_idx is {k_idx.dtype} on {k_idx.device}, the cache takes {self.dtype} on {self.device}"
             )
+        return k_idx if k_idx.dim() == 2 else pack_rows(k_idx, plan)
 
-    def _refuse_write(self, rows: tuple, c_kv, k_pe) -> None:
+    def _refuse_write(self, rows: tuple, c_kv, k_pe, packed: int) -> None:
         cfg = self.cfg
-        for name, t, width in (("c_kv", c_kv, cfg.kv_lora_rank), ("k_pe", k_pe, cfg.qk_rope_head_dim)):
-            if not isinstance(t, torch.Tensor) or t.shape != (*rows, width):
+        pairs = (("c_kv", c_kv, cfg.kv_lora_rank), ("k_pe", k_pe, cfg.qk_rope_head_dim))
+        two_d = isinstance(c_kv, torch.Tensor) and c_kv.dim() == 2
+        for name, t, width in pairs:
+            want = (packed, width) if two_d else (*rows, width)
+            if not isinstance(t, torch.Tensor) or t.shape != want:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} has shape {shape}, the plan writes {(*rows, width)}")
+                raise ValueError(
+                    f"{name} has shape {shape}, the plan writes {(*rows, width)} "
+                    f"(or {(packed, width)} packed)"
+                )
             if t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(
                     f"{name} is {t.dtype} on {t.device}, the cache takes {self.dtype} on {self.device}"
@@ -284,6 +294,12 @@ class StepCache(StepBook):
                 raise ValueError(f"{name} has dtype {t.dtype}, cache holds {self.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, cache is on {self.device}")
+
+
+def pack_rows(x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The caller's rectangle x [B, S, ...] as the plan's packed tokens [N, ...]."""
+    flat = x.reshape(plan.batch * plan.seq_len, *x.shape[2:])
+    return flat if plan.pack is None else flat.index_select(0, plan.pack)
 
 
 def _exact_keys(keys: int) -> int:

@@ -217,6 +217,24 @@ def _blocked(q_l, q_r, c_kv, k_pe, mask, cd, static=False):
     return acc.div_(denom.clamp_min(torch.finfo(acc.dtype).tiny)[..., None]), lse
 
 
+def biased_block(q_lat, q_pe, c_kv, k_pe, bias, scale: float) -> torch.Tensor:
+    """One key block against an additive mask built once per step: q_lat [B,s,H,L], q_pe [B,s,H,dr],
+    c_kv [B,T,L], k_pe [B,T,dr], bias [B,s,T] (0 visible, -inf hidden; every query sees at least one
+    key) -> o_lat [B,s,H,L] in the core dtype, no lse. The scores start from the mask (the first
+    matmul's input), so a decode step's attention core is four ops. Keys hidden from every query must
+    hold finite values (0 x NaN is NaN): every cache reads zeros past a slot's length."""
+    batch, new, heads, latent = q_lat.shape
+    cd = core_dtype(c_kv.dtype, c_kv.device)
+    q_l = q_lat.reshape(batch, new * heads, latent).to(cd)
+    q_r = q_pe.reshape(batch, new * heads, -1).to(cd)
+    c, kp = c_kv.to(cd), k_pe.to(cd)
+    if new > 1:  # the same mask row for every head of a query
+        bias = bias[:, :, None, :].expand(batch, new, heads, bias.shape[-1]).reshape(batch, new * heads, -1)
+    scores = torch.baddbmm(bias, q_r, kp.transpose(1, 2), alpha=scale)
+    scores.baddbmm_(q_l, c.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), c).view(batch, new, heads, latent)
+
+
 def _buffer(x: torch.Tensor, block: int, cd: torch.dtype) -> torch.Tensor | None:
     """A [B, block, width] buffer in `cd` when x must be converted, else None."""
     if x.dtype == cd:

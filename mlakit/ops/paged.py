@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
+from mlakit.ops.absorb import KEY_BLOCK, biased_block, fold_queries, latent_attention, unfold_values
 from mlakit.ops.common import acc_dtype, compute_dtype, context_mask, query_chunk
 from mlakit.ops.cpu_core import check_core, fused_latent, use_fused
 from mlakit.ops.merge import merge
@@ -39,11 +39,14 @@ def absorb_chunked(
     max_keys: int | None = None,
     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     core: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges. `max_keys` (a
     plan's bucket): read exactly that many keys, masked past kv_lens, no host read. `pages`: (c_kv
     rows [N, L], k_pe rows [N, dr], rows [B, >= keys] long) of an unquantized pool, for the fused core
-    to read in place. `core`: as `absorb`'s."""
+    to read in place. `core`: as `absorb`'s. `bias` [B, S, max_keys] (a plan's additive mask, keys
+    past kv_lens reading zeros): a context of one key block without autograd runs `biased_block` and
+    returns lse None."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     check_core(core)
@@ -58,6 +61,11 @@ def absorb_chunked(
     if pages is not None and use_fused(core, q_lat, pages[0], pages[1]):
         o_lat, lse = fused_latent(q_lat, q_pe, pages[0], pages[1], kv_lens, scale, rows=pages[2][:, :keys])
         return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+    if bias is not None and keys <= min(chunk_tokens, KEY_BLOCK) and not _records(q_lat):
+        c_kv, k_pe = read(0, keys)
+        if not use_fused(core, q_lat, c_kv, k_pe):
+            o_lat = biased_block(q_lat, q_pe, c_kv, k_pe, bias, scale)
+            return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), None
     o_lat, lse = None, None
     for start in range(0, keys, chunk_tokens):
         stop = min(keys, start + chunk_tokens)
@@ -68,6 +76,11 @@ def absorb_chunked(
             part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale, static)
         o_lat, lse = part if o_lat is None else merge([o_lat, part[0]], [lse, part[1]])
     return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+
+
+def _records(q_lat: torch.Tensor) -> bool:
+    """Whether autograd records this call (the one-block mask form is for inference only)."""
+    return torch.is_grad_enabled() and q_lat.requires_grad
 
 
 def _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, key_start, scale, static=False):
