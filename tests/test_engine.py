@@ -13,7 +13,7 @@ pytest.importorskip("xxhash")
 from engine_helpers import drain, prompts, reference, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
-from mlakit.engine.blocks import PagePool, page_hashes  # noqa: E402
+from mlakit.engine.kv import page_hashes  # noqa: E402
 
 SMALL = dict(num_blocks=24, block_size=8, max_num_seqs=6, max_num_batched_tokens=48)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -211,18 +211,10 @@ def test_random_driver_invariants_and_greedy_outputs():
             assert c.token_ids == tokens[: len(c.token_ids)] and c.finish_reason == "length"
 
 
-def test_page_pool_lru_and_hash_chain():
+def test_page_hashes_chain_whole_pages():
     a, b = page_hashes([1, 2, 3, 4, 5], 2), page_hashes([1, 2, 3, 9], 2)
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
-    pool = PagePool(3)
-    p, q = pool.allocate(), pool.allocate()
-    pool.register(p, a[0])
-    pool.drop(p)
-    pool.drop(q)  # no hash: handed out first
-    assert pool.allocate() == q and pool.lookup(a) == [p]
-    pool.allocate()
-    assert pool.allocate() == p and pool.lookup(a) == []  # evicted, least recently used
-    pool.check()
+    assert page_hashes([1, 2, 3, 4, 5], 2, start=1, parent=a[0]) == a[1:]
 
 
 def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):

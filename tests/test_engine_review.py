@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 from engine_helpers import prompts, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
-from mlakit.engine.blocks import PagePool, SharedBlockManager  # noqa: E402
 
 SMALL = dict(num_blocks=24, block_size=8, max_num_seqs=6, max_num_batched_tokens=48)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -136,35 +135,16 @@ def test_tiny_temperature_is_greedy():
     assert all(lp == lp for o in a for d in o.outputs[0].logprobs for lp in d.values())
 
 
-def _pool_state(pool, blocks):
+def _pool_state(pool):
     return (
         list(pool.refs),
         list(pool.free),
         dict(pool.hash_of),
         dict(pool.page_of),
-        [list(t) for t in blocks.tables],
-        list(blocks.tokens),
+        [list(t) for t in pool.tables],
+        list(pool.tokens),
+        dict(pool.holds),
     )
-
-
-def test_shared_manager_undo_restores_pool_exactly():
-    pool = PagePool(6)
-    m = SharedBlockManager(pool, 4, 3)
-    m.append(0, 8)
-    m.adopt(1, m.tables[0], 8)  # two pages held twice
-    m.append(2, 4)
-    pool.register(m.tables[2][0], 111)
-    m.truncate(2, 0)  # a cached free page (evicted when handed out again)
-    m.append(1, 2)
-    before = _pool_state(pool, m)
-    m.journal = []
-    m.truncate(1, 4)  # drops a private page and a shared one
-    m.truncate(0, 0)
-    m.append(2, 16)  # takes every free page: evicts the cached one
-    m.undo(m.journal)
-    m.journal = None
-    assert _pool_state(pool, m) == before
-    m.check()
 
 
 def test_failing_plan_leaves_the_pool_as_it_was(monkeypatch):
@@ -180,7 +160,8 @@ def test_failing_plan_leaves_the_pool_as_it_was(monkeypatch):
     eng.step()  # one running sequence, cached pages in the free list
     for i, p in enumerate(ps[3:], 3):
         eng.add_request(str(i), p, GREEDY)
-    before = _pool_state(eng.kv.pool, eng.cache.blocks)
+    assert eng.cache.blocks is eng.kv.pool  # one pool: the engine's
+    before = _pool_state(eng.kv.pool)
     waiting = [s.request.request_id for s in eng.waiting]
 
     def boom(*a, **k):
@@ -190,7 +171,7 @@ def test_failing_plan_leaves_the_pool_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     eng.check()
-    after = _pool_state(eng.kv.pool, eng.cache.blocks)
+    after = _pool_state(eng.kv.pool)
     assert after[0] == before[0] and after[2:] == before[2:]
     assert after[1] == before[1]
     assert [s.request.request_id for s in eng.waiting] == waiting

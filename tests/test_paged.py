@@ -1,5 +1,6 @@
-"""PagedLatentCache and BlockManager: paged == contiguous through appends, decodes, releases and reuse,
-with shuffled free lists, NaN-poisoned pages and sentinel block-table entries; edge cases; errors."""
+"""PagedLatentCache: paged == contiguous through appends, decodes, releases and reuse, with shuffled free
+lists, NaN-poisoned pages and sentinel block-table entries; a pool shared with an engine (`adopt`);
+edge cases; errors. The pool itself: test_block_pool.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from paged_helpers import assert_close, make_layer, randn, small_config
 
 from mlakit import LatentCache, MLAConfig, PagedLatentCache
-from mlakit.cache.blocks import BlockManager
+from mlakit.cache.blocks import BlockPool
 from mlakit.cache.paged import BLOCK_SENTINEL
 from mlakit.ops import absorb
 from mlakit.ops.paged import absorb_chunked
@@ -40,56 +41,6 @@ def assert_same_view(paged: PagedLatentCache, contiguous: LatentCache, slots: li
         assert torch.equal(got_c[row, :n], want_c[row, :n]) and torch.equal(got_k[row, :n], want_k[row, :n])
         assert not got_c[row, n:].any() and not got_k[row, n:].any(), "positions past the length are not zero"
     paged.blocks.check()
-
-
-# BlockManager
-
-
-def test_block_manager_hands_out_in_order_and_maps_tokens_to_rows():
-    m = BlockManager(num_blocks=4, block_size=3, num_slots=2)
-    assert m.append(0, 4) == [0, 1, 2, 3]  # block 0 rows 0-2, block 1 row 0
-    assert m.append(1, 1) == [6]  # block 2
-    assert m.append(0, 2) == [4, 5]  # fills block 1 exactly: no new block
-    assert m.tables == [[0, 1], [2]] and m.tokens == [6, 1] and m.num_free == 1
-    m.check()
-
-
-def test_block_manager_check_append_counts_the_whole_batch_and_changes_nothing():
-    m = BlockManager(num_blocks=3, block_size=2, num_slots=2)
-    m.append(0, 1)
-    # each row alone fits (1 more block for slot 0, 2 for slot 1), together they need 3 > 2 free
-    m.check_append([0], [3])
-    m.check_append([1], [3])
-    with pytest.raises(
-        ValueError, match=r"out of blocks: .* needs 3 more blocks of 2 tokens, 2 of 3 are free"
-    ):
-        m.check_append([0, 1], [3, 3])
-    assert m.tables == [[0], []] and m.tokens == [1, 0] and m.free == [2, 1]
-
-
-def test_block_manager_truncate_frees_whole_blocks_last_in_first_out():
-    m = BlockManager(num_blocks=6, block_size=2, num_slots=2)
-    m.append(0, 5)  # blocks 0, 1, 2
-    assert m.truncate(0, 3) == [2]  # 3 tokens still need 2 blocks
-    assert m.truncate(0, 2) == [1]
-    assert m.truncate(0, 2) == []
-    assert m.release(0) == [0]
-    assert m.append(1, 1) == [0]  # the last block freed is handed out first
-    m.check()
-
-
-def test_block_manager_rejects_bad_sizes_and_truncation_past_tokens():
-    with pytest.raises(ValueError, match="num_blocks must be a positive integer, got 0"):
-        BlockManager(0, 4, 1)
-    m = BlockManager(2, 4, 1)
-    with pytest.raises(ValueError, match="slot 0 holds 0 tokens, cannot keep 1"):
-        m.truncate(0, 1)
-
-
-def test_shuffled_free_list_is_a_permutation():
-    m = BlockManager(num_blocks=50, block_size=1, num_slots=1)
-    m.shuffle(3)
-    assert sorted(m.free) == list(range(50)) and m.free != list(range(49, -1, -1))
 
 
 # PagedLatentCache alone
@@ -222,6 +173,85 @@ def test_out_of_blocks_raises_before_anything_is_written():
         paged.append(*entries(2, 1, seed=2, cfg=cfg))
     assert torch.equal(paged.pages, before[0]) and torch.equal(paged.lengths, before[1])
     assert paged.blocks.tables == before[2]
+
+
+# on a pool shared with an engine
+
+
+def pool_cache(cfg, num_blocks=6, block_size=2, max_batch=3):
+    pool = BlockPool(num_blocks, block_size, max_batch)
+    pool.shuffle(1)
+    cache = PagedLatentCache(cfg, num_blocks, block_size, max_batch=max_batch, pool=pool)
+    cache.pages.fill_(0xFF)
+    assert cache.blocks is pool
+    return cache, pool
+
+
+def test_a_slot_adopted_on_another_slots_pages_reads_them_and_goes_on_in_its_own():
+    cfg = small_config()
+    paged, pool = pool_cache(cfg)
+    c, k = entries(1, 5, seed=1, cfg=cfg)
+    paged.append(c, k, slots=[0])  # 3 pages, the last half full
+    pages = pool.tables[0][:2]
+    paged.adopt(1, pages)
+    assert paged.lengths.tolist() == [5, 4, 0] and [pool.refs[p] for p in pages] == [2, 2]
+    c2, k2 = entries(1, 3, seed=2, cfg=cfg)
+    paged.append(c2, k2, slots=[1])
+    assert pool.tables[1][:2] == pages and not set(pool.tables[1][2:]) & set(pool.tables[0])
+    paged.release(0)  # slot 1 still holds the pages it started on
+    want_c, want_k = torch.cat([c[:, :4], c2], 1), torch.cat([k[:, :4], k2], 1)
+    got_c, got_k = paged.view(torch.tensor([1]), 8)
+    assert torch.equal(got_c[:, :7], want_c) and torch.equal(got_k[:, :7], want_k) and not got_c[:, 7:].any()
+    assert [pool.refs[p] for p in pages] == [1, 1] and paged.free_blocks == 2
+    pool.check()
+
+
+def test_adopt_refusals_change_nothing():
+    cfg = small_config()
+    paged, pool = pool_cache(cfg)
+    paged.append(*entries(1, 5, seed=1, cfg=cfg), slots=[0])
+    plan = paged.plan(1, [2])
+    pages, idle = pool.tables[0][:2], next(iter(pool.free))
+    before = (paged.pages.clone(), paged.lengths.clone(), list(pool.free), [list(t) for t in pool.tables])
+    for slot, arg, match in [
+        (0, pages, r"slot 0 holds 5 tokens or an open plan's rows, expected an empty slot"),
+        (2, pages, r"slot 2 holds 0 tokens or an open plan's rows"),
+        (1, [idle], rf"pages \[{idle}\]: free pages no prefix hash names hold nothing to share"),
+        (1, [pages[0]] * 2, r"has duplicates"),
+        (1, "x", r"pages must be integers"),
+        (3, pages, r"slot 3 out of range"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            paged.adopt(slot, arg)
+        after = (paged.pages, paged.lengths, list(pool.free), pool.tables)
+        assert (
+            all(torch.equal(a, b) for a, b in zip(after[:2], before[:2], strict=True))
+            and after[2:] == before[2:]
+        )
+    assert plan.state == "open"
+    pool.check()
+
+
+def test_check_append_counts_only_unshared_pages_past_the_lengths_as_free():
+    cfg = small_config()
+    paged, pool = pool_cache(cfg, num_blocks=4)
+    paged.append(*entries(1, 4, seed=1, cfg=cfg), slots=[0])
+    paged.adopt(1, pool.tables[0])
+    paged.lengths[1] = 0  # its pages come back at the next read, but slot 0 still holds them
+    with pytest.raises(ValueError, match=r"needs 3 more blocks of 2 tokens, 2 of 4 are free"):
+        paged.check_append(6, torch.tensor([2]))
+    paged.check_append(4, torch.tensor([2]))
+    assert paged.free_blocks == 2 and pool.tables[1] == [] and pool.refs.count(1) == 2
+
+
+def test_a_pool_of_another_shape_is_refused():
+    cfg = small_config()
+    with pytest.raises(
+        ValueError, match=r"pool must be None or a BlockPool of .* \(6, 2, 3\), got BlockPool\(num_b"
+    ):
+        PagedLatentCache(cfg, 6, 2, max_batch=3, pool=BlockPool(6, 2, 2))
+    with pytest.raises(ValueError, match=r"got 'pool'"):
+        PagedLatentCache(cfg, 6, 2, max_batch=3, pool="pool")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from helpers import make_layer, randn
 from protocol_helpers import CFG, DSA
 
 from mlakit import LatentCache, MLAConfig
-from mlakit.cache.blocks import BlockManager
+from mlakit.cache.blocks import BlockPool
 from mlakit.cache.paged import BLOCK_SENTINEL, PagedLatentCache
 from mlakit.cli import main
 from mlakit.ops import common
@@ -168,8 +168,8 @@ def test_refusals_name_their_argument():
         LatentCache(CFG, 10**6, 10**6)
     with pytest.raises(ValueError, match="num_blocks=1000000000.*lower num_blocks"):
         PagedLatentCache(CFG, 10**9, 64, max_batch=1)
-    with pytest.raises(ValueError, match="BlockManager\\(num_blocks=10000000000.*lower num_blocks"):
-        BlockManager(10**10, 1, 1)
+    with pytest.raises(ValueError, match="BlockPool\\(num_blocks=10000000000.*lower num_blocks"):
+        BlockPool(10**10, 1, 1)
 
 
 def test_check_of_a_dsa_model_at_1m_tokens_refuses_in_one_line(capsys):

@@ -2,18 +2,18 @@
 
 - `contiguous.py`: `LatentCache`, slots × max_seq_len of latents, one `lengths`
 - `paged.py`: `PagedLatentCache`, pages of token rows, a block table, fp8/int8 rows
-- `blocks.py`: `BlockManager`, the tensor-free free list and block tables
+- `blocks.py`: `BlockPool`, the tensor-free pages: reference counts, free queue, prefix map, block tables
 - `quant.py`: the byte layout of one cached token (exact, fp8 656 B, int8) and its (de)quantization
 """
 
-from mlakit.cache.blocks import BlockManager, blocks_for
+from mlakit.cache.blocks import BlockPool, blocks_for
 from mlakit.cache.contiguous import LatentCache, Slots, row_counts
 from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.quant import QUANTS, dequantize, quantize, token_layout
 
 __all__ = [
     "QUANTS",
-    "BlockManager",
+    "BlockPool",
     "LatentCache",
     "PagedLatentCache",
     "Slots",

@@ -1,4 +1,4 @@
-"""PagedLatentCache: the latent cache in fixed-size pages handed out by a BlockManager, optionally fp8/int8.
+"""PagedLatentCache: the latent cache in fixed-size pages handed out by a BlockPool, optionally fp8/int8.
 
 A drop-in for `LatentCache`: same `lengths`, `plan`/`commit`, `append`, `release`, `view`.
 """
@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from mlakit.cache.blocks import BlockManager, blocks_for
-from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots
+from mlakit.cache.blocks import BlockPool, blocks_for
+from mlakit.cache.checks import check_allocation, check_positive, check_slot, check_slots, int_list
 from mlakit.cache.plan import StepPlan, key_bucket
 from mlakit.cache.quant import (
     dequantize,
@@ -35,8 +35,9 @@ HOST_BYTES_PER_SLOT = 128
 class PagedLatentCache(StepCache):
     """Per layer, `num_blocks` pages of `block_size` token rows (uint8, laid out by `mlakit.quant`).
 
-    One BlockManager and one block table serve every layer: page p holds the same tokens in each
-    layer's pool (`layer_pages(l)` [num_blocks, block_size, bytes_per_token]; `pages` is layer 0's).
+    One BlockPool (`blocks`: its own, or the engine's `pool`, shared with whoever starts slots on
+    pages other slots wrote) and one block table serve every layer: page p holds the same tokens in
+    each layer's pool (`layer_pages(l)` [num_blocks, block_size, bytes_per_token]; `pages` is layer 0's).
     `lengths` (a CPU LongTensor [max_batch]) counts the tokens of each slot. Lowering an entry drops
     the newest tokens; the whole blocks they no longer use go back to the free list at the next call
     that reads lengths (`check_lengths`, `plan`, `append`, `view`, `block_table`, `free_blocks`, ...).
@@ -54,6 +55,7 @@ class PagedLatentCache(StepCache):
         dtype: torch.dtype = torch.float32,
         quant: str | None = None,
         device: torch.device | str | None = None,
+        pool: BlockPool | None = None,
     ):
         for name, value in (
             ("num_blocks", num_blocks),
@@ -65,6 +67,12 @@ class PagedLatentCache(StepCache):
         if num_blocks >= BLOCK_SENTINEL:
             raise ValueError(
                 f"num_blocks must be < {BLOCK_SENTINEL} (an int32 block table), got {num_blocks}"
+            )
+        want = (num_blocks, block_size, max_batch)
+        if pool is not None and not (isinstance(pool, BlockPool) and pool.shape == want):
+            raise ValueError(
+                f"pool must be None or a BlockPool of (num_blocks, block_size, max_batch) {want}, "
+                f"got {pool!r}"
             )
         layout = token_layout(cfg, dtype, quant)
         per_layer = num_blocks * block_size + 2
@@ -81,7 +89,7 @@ class PagedLatentCache(StepCache):
             "cpu",
             "num_blocks or max_batch",
         )
-        self.blocks = BlockManager(num_blocks, block_size, max_batch)
+        self.blocks = BlockPool(num_blocks, block_size, max_batch) if pool is None else pool
         self.cfg = cfg
         self.layout = layout
         self.num_layers = num_layers
@@ -217,8 +225,11 @@ class PagedLatentCache(StepCache):
         rows among them: a new plan supersedes it). Changes nothing."""
         counts = row_counts(new_tokens, slots.numel()).tolist()
         lengths = self._checked_lengths()
-        size, tables = self.block_size, self.blocks.tables
-        free = self.blocks.num_free + sum(len(tables[s]) - blocks_for(n, size) for s, n in enumerate(lengths))
+        size, pool = self.block_size, self.blocks
+        # pages past the lengths that only their slot references come back when the plan settles them
+        free = pool.num_free + sum(
+            pool.refs[p] == 1 for s, n in enumerate(lengths) for p in pool.tables[s][blocks_for(n, size) :]
+        )
         slot_ids = slots.tolist()
         need = sum(
             blocks_for(lengths[s] + c, size) - blocks_for(lengths[s], size)
@@ -240,17 +251,16 @@ class PagedLatentCache(StepCache):
         self.last_slot_mapping = mapping
         return mapping
 
-    def _undo_point(self) -> tuple:
-        self.blocks.journal = []  # recorded until the plan is made (`_reserved`) or undone
-        return self.blocks.journal, self.last_slot_mapping
+    def _undo_point(self) -> torch.Tensor | None:
+        self.blocks.begin()  # recorded until the plan is made (`_reserved`) or undone
+        return self.last_slot_mapping
 
     def _undo(self, point) -> None:
-        journal, self.last_slot_mapping = point
-        self.blocks.undo(journal)
-        self.blocks.journal = None
+        self.last_slot_mapping = point
+        self.blocks.undo()
 
     def _reserved(self) -> None:
-        self.blocks.journal = None
+        self.blocks.end()
 
     def _zero_rows(self, layer: int, rows: torch.Tensor) -> None:
         """Zero token rows `rows` [N] of one layer (every field: a zero latent, scale, rope key)."""
@@ -376,6 +386,24 @@ class PagedLatentCache(StepCache):
         """Empty `slot` for reuse and free its blocks; an open plan that writes it goes stale (a
         cancelled request: its reserved blocks are given back too)."""
         self._release_slot(check_slot(slot, self.batch_size))
+
+    def adopt(self, slot: int, pages) -> None:
+        """Start the empty `slot` on `pages`: whole pages already written (another slot's, held or
+        cached in the pool, e.g. a prefix found by its hash); `lengths[slot]` becomes
+        len(pages)·block_size. Refused (ValueError) when the slot is not empty (a length, or rows an
+        open plan reserved) or a page is out of range, repeated, or free with nothing cached in it;
+        lowered lengths are settled first, as by every call that reads them."""
+        slot = check_slot(slot, self.batch_size)
+        lengths = self._checked_lengths()
+        plan = self._open
+        if lengths[slot] or (plan is not None and plan.state == "open" and slot in plan.slots.tolist()):
+            raise ValueError(
+                f"slot {slot} holds {lengths[slot]} tokens or an open plan's rows, expected an empty slot"
+            )
+        pages = int_list(pages, "pages")
+        self._settle(lengths)
+        self.blocks.adopt(slot, pages, len(pages) * self.block_size)
+        self.lengths[slot] = len(pages) * self.block_size
 
     def table(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Block tables of `slots` as a CPU LongTensor [B, width], BLOCK_SENTINEL past each slot's blocks."""

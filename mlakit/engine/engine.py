@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import torch
 
+from mlakit.cache.blocks import BlockPool
 from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.quant import token_layout
 from mlakit.engine import load
@@ -63,6 +64,8 @@ class LLMEngine:
         if blocks is None:
             blocks = _cache_size(cfg, config, self.runner.dtype, self.runner.device, *sizes)
         max_pos = getattr(config, "max_position_embeddings", None) or 2**20
+        # the engine owns the pages: one pool, the cache stores them, the KVManager shares them
+        pool = BlockPool(blocks, block_size, max_num_seqs)
         self.cache = PagedLatentCache(
             cfg,
             blocks,
@@ -72,8 +75,9 @@ class LLMEngine:
             dtype=self.runner.dtype,
             quant=cache_dtype,
             device=self.runner.device,
+            pool=pool,
         )
-        self.kv = KVManager(self.cache, enable_prefix_caching)
+        self.kv = KVManager(pool, self.cache, enable_prefix_caching)
         self.max_model_len = min(max_pos, blocks * block_size)
         # key buckets repeat shapes for captured graphs (CUDA); eager CPU steps attend over exactly the
         # longest context (no masked work)
@@ -325,7 +329,6 @@ class LLMEngine:
         """Page and reference-count invariants (tests call it after every step)."""
         seqs = [s for r in self.requests.values() for s in r.seqs]
         self.kv.check(seqs)
-        self.kv.blocks.check()
 
 
 def _scored_positions(seq: Sequence, n: int) -> range:

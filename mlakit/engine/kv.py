@@ -1,26 +1,44 @@
-"""KVManager: the engine's side of the paged latent cache (slots, shared pages, prefix index).
+"""KVManager: the engine's policy over its page pool (slots, prefix hits, forks, the prefix index).
 
-Tensor-free except for the cache's `lengths` entries it sets when a slot starts on shared pages. The
-cache keeps doing what it does (plan / commit / release); this object decides which pages a slot starts
-on: a prefix hit (pages found by their chain hash) or a fork of `n > 1` (the first completion's
-prompt pages), and registers every whole page a step completes.
+Tensor-free. The engine builds one `BlockPool` and gives it to the cache; the cache keeps doing what
+it does (plan / commit / release, `adopt` to start a slot on pages already written); this object
+decides which pages a slot starts on: a prefix hit (pages found by their chain hash) or a fork of
+`n > 1` (the first completion's prompt pages, held until the child starts), and registers every
+whole page a step completes.
 """
 
 from __future__ import annotations
 
-from mlakit.cache.blocks import blocks_for
-from mlakit.engine.blocks import PagePool, SharedBlockManager, page_hashes
+from collections import Counter
+from collections.abc import Sequence as Tokens
+
+import xxhash
+
+from mlakit.cache.blocks import BlockPool, blocks_for
 from mlakit.engine.request import Sequence
 
 
+def page_hashes(tokens: Tokens[int], block_size: int, start: int = 0, parent: int | None = None) -> list[int]:
+    """Hash chain of the whole pages of `tokens` from page `start` on: each page's hash covers its
+    parent's hash and its own token ids, so equal hashes mean equal prefixes."""
+    out = []
+    for p in range(start, len(tokens) // block_size):
+        h = xxhash.xxh3_64()
+        h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
+        for t in tokens[p * block_size : (p + 1) * block_size]:
+            h.update(int(t).to_bytes(4, "little"))
+        parent = h.intdigest()
+        out.append(parent)
+    return out
+
+
 class KVManager:
-    def __init__(self, cache, prefix_caching: bool):
+    def __init__(self, pool: BlockPool, cache, prefix_caching: bool):
+        if cache.blocks is not pool:
+            raise ValueError("pool must be the BlockPool the cache was built on (PagedLatentCache(pool=...))")
         self.cache = cache
-        self.block_size = cache.block_size
-        self.pool = PagePool(cache.num_blocks)
-        # the cache hands out pages through the pool: slots may share them
-        cache.blocks = SharedBlockManager(self.pool, cache.block_size, cache.max_batch)
-        self.blocks = cache.blocks
+        self.pool = pool
+        self.block_size = pool.block_size
         self.prefix_caching = prefix_caching
         self.free_slots = list(range(cache.max_batch - 1, -1, -1))
         self.queries = 0  # prompt tokens looked up in the prefix cache
@@ -34,10 +52,10 @@ class KVManager:
     @property
     def usage(self) -> float:
         """Fraction of pages some request holds."""
-        return self.pool.num_used / self.pool.num_pages
+        return self.pool.usage
 
     def table_len(self, seq: Sequence) -> int:
-        return 0 if seq.slot is None else len(self.blocks.tables[seq.slot])
+        return 0 if seq.slot is None else len(self.pool.tables[seq.slot])
 
     def need(self, seq: Sequence, new: int) -> int:
         """Pages `seq` must be given to cache `new` more tokens."""
@@ -67,8 +85,7 @@ class KVManager:
         """Give `seq` a slot starting on `pages` (its first len(pages) whole pages, already computed)."""
         slot = self.free_slots.pop()
         tokens = len(pages) * self.block_size
-        self.blocks.adopt(slot, pages, tokens)
-        self.cache.lengths[slot] = tokens
+        self.cache.adopt(slot, pages)
         self._drop_shared(seq)
         seq.slot, seq.computed = slot, tokens
         self.admissions += 1
@@ -79,7 +96,7 @@ class KVManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Hold the whole prompt pages of `parent` for `child` until it is admitted."""
-        pages = self.blocks.tables[parent.slot][: (parent.prompt_len - 1) // self.block_size]
+        pages = self.pool.tables[parent.slot][: (parent.prompt_len - 1) // self.block_size]
         for p in pages:
             self.pool.hold(p)
         child.shared = list(pages)
@@ -107,24 +124,18 @@ class KVManager:
         if whole <= seq.registered:
             return
         self._hash(seq, whole)
-        table = self.blocks.tables[seq.slot]
+        table = self.pool.tables[seq.slot]
         for p in range(seq.registered, whole):
             self.pool.register(table[p], seq.hashes[p])
         seq.registered = whole
 
     def check(self, seqs) -> None:
-        """Invariants: every page free or held, each reference accounted for by a table or a fork hold."""
+        """Invariants: the pool's own; its holds are the fork holds of `seqs`; a free slot holds nothing."""
         self.pool.check()
-        counts = [0] * self.pool.num_pages
-        for table in self.blocks.tables:
-            for p in table:
-                counts[p] += 1
-        for seq in seqs:
-            for p in seq.shared:
-                counts[p] += 1
-        if counts != self.pool.refs:
-            bad = [p for p, (a, b) in enumerate(zip(counts, self.pool.refs, strict=True)) if a != b]
-            raise AssertionError(f"reference counts wrong for pages {bad[:8]}")
-        held = {s for s in range(self.cache.max_batch) if self.blocks.tables[s] or self.blocks.tokens[s]}
+        holds = Counter(p for seq in seqs for p in seq.shared)
+        if holds != Counter(self.pool.holds):
+            raise AssertionError(f"pool holds {self.pool.holds}, the waiting forks hold {dict(holds)}")
+        pool = self.pool
+        held = {s for s in range(self.cache.max_batch) if pool.tables[s] or pool.tokens[s]}
         if held & set(self.free_slots) or len(set(self.free_slots)) != len(self.free_slots):
             raise AssertionError("a free slot holds pages")
