@@ -97,3 +97,26 @@ class HFRunner:
             out, _ = self.ref(hidden, emb, pos, mask, cache=self.cache if use_cache else None)
         self.seen += s
         return out
+
+
+def v4_state(cache) -> list:
+    """Every buffer of a V4Cache (each layer's rings and stores, spare rows included), then the host
+    bookkeeping: lengths, high-water marks, tokens held, the slots and room."""
+    bufs = [t.clone() for layer in sorted(cache.state) for _, t in sorted(cache.state[layer].items())]
+    host = (
+        cache.lengths.tolist(),
+        list(cache.high),
+        list(cache.written),
+        cache.batch_size,
+        cache.max_seq_len,
+    )
+    return [*bufs, host]
+
+
+def assert_v4_same(cache, before: list, what: str = "a refused call") -> None:
+    """Bit-identical buffers (compared as bytes: NaN equals itself) and host bookkeeping."""
+    now = v4_state(cache)
+    assert len(now) == len(before), f"{what} changed the cache's buffers"
+    for i, (got, want) in enumerate(zip(now[:-1], before[:-1], strict=True)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{what} changed buffer {i}"
+    assert now[-1] == before[-1], f"{what} changed the bookkeeping: {before[-1]} -> {now[-1]}"

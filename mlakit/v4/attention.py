@@ -82,12 +82,17 @@ class V4Attention(nn.Module):
         self._check_hidden(hidden)
         if isinstance(plan, V4Cache):
             cache = plan
+            if len(cache.layers) > 1:
+                raise ValueError(
+                    f"layer(hidden, cache) on a cache of {len(cache.layers)} layers {cache.layers} would "
+                    "advance lengths for every layer after writing one: plan = cache.plan(...), "
+                    "layer(hidden, plan) for each layer, then cache.commit(plan)"
+                )
             b, s, _ = hidden.shape
             plan = cache.plan(s if new_tokens is None else new_tokens, slots, seq_len=s)
             try:
-                self._check_plan(hidden, plan)
-                out = self._compute(hidden, plan, cache.state[self.layer_idx])
-            except Exception:
+                out = self._run(hidden, plan)
+            except BaseException:
                 cache.discard(plan)
                 raise
             cache.commit(plan)
@@ -100,8 +105,18 @@ class V4Attention(nn.Module):
             plan = cache.plan(s if new_tokens is None else new_tokens, seq_len=s)
         elif new_tokens is not None:
             raise ValueError("new_tokens is for a call without a plan; the plan already holds the counts")
+        return self._run(hidden, plan)
+
+    def _run(self, hidden: torch.Tensor, plan: V4Plan) -> torch.Tensor:
+        """One layer of a planned step: its checks (host facts only; a refusal changes nothing), the
+        claim of its layer_idx and the save of the rows it overwrites, the layer, the record that it
+        wrote (what commit checks)."""
         self._check_plan(hidden, plan)
-        return self._compute(hidden, plan, plan.cache.state[self.layer_idx])
+        cache = plan.cache
+        cache._begin_layer(plan, self.layer_idx, self)
+        out = self._compute(hidden, plan, cache.state[self.layer_idx])
+        plan.ran.add(self.layer_idx)
+        return out
 
     def _check_hidden(self, hidden) -> None:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
@@ -116,10 +131,9 @@ class V4Attention(nn.Module):
         cache = plan.cache
         if self.layer_idx not in cache.state:
             raise ValueError(f"the plan's cache holds no layer {self.layer_idx} (it holds {cache.layers})")
-        if tuple(hidden.shape[:2]) != (len(plan.slot_list), plan.width):
+        if tuple(hidden.shape[:2]) != (plan.batch, plan.width):
             raise ValueError(
-                f"hidden has rows x tokens {tuple(hidden.shape[:2])}, "
-                f"the plan {(len(plan.slot_list), plan.width)}"
+                f"hidden has rows x tokens {tuple(hidden.shape[:2])}, the plan {(plan.batch, plan.width)}"
             )
         if hidden.dtype != cache.dtype or hidden.device != cache.device:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""V4Cache: what each DeepSeek-V4 layer keeps between steps, with the latent caches' step protocol.
+"""V4Cache: what each DeepSeek-V4 layer keeps between steps, on the MLA caches' step protocol.
 
 Per layer, per slot (R rows of a ring hold positions p at row p mod R; every buffer has one spare row
 at the end, where padding and dropped writes land):
@@ -9,6 +9,11 @@ at the end, where padding and dropped writes land):
 - CSA: the indexer's own compressed keys and carried state, the same way at index_head_dim.
 
 `plan = cache.plan(new_tokens, slots=None)`, `layer(hidden, plan)` for each layer, `cache.commit(plan)`.
+The bookkeeping is the MLA caches' (`mlakit.cache.protocol`: StepLife, StepBook): commit refuses
+while a layer has not written the step, stale and superseded plans are refused on use, every refusal
+changes nothing. A layer's write overwrites ring rows that `lengths` still covers (position p replaces
+p − R), so each layer saves those rows before its first write of a step and a plan given up uncommitted
+(discarded, superseded, stale) puts them back: the cache is then as it was before the plan.
 Lowering `lengths` (rollback) is exact while every ring still holds what the shorter length needs;
 `rollback(slot, length)` refuses otherwise, naming the lowest length it can go back to.
 """
@@ -25,11 +30,16 @@ from mlakit.cache.checks import (
     check_slots,
     int_list,
 )
+from mlakit.cache.protocol import StepBook, lengths_seen
 from mlakit.v4.config import CSA, HCA, SLIDING, V4Config
-from mlakit.v4.plan import V4Plan, compress_plan, window_plan
+from mlakit.v4.plan import V4Plan, compress_plan, undo_rows, window_plan
+
+# the buffers of a layer each kind of undo rows indexes
+_RINGS = ("ring_kv", "ring_gate", "index_ring_kv", "index_ring_gate")
+_STORES = ("store", "index_store")
 
 
-class V4Cache:
+class V4Cache(StepBook):
     def __init__(
         self,
         cfg: V4Config,
@@ -67,7 +77,11 @@ class V4Cache:
         )
         self.state = {layer: self._allocate(cfg.layer_types[layer], dtype, device) for layer in self.layers}
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.high = [0] * batch_size  # most tokens any ring of the slot has been written up to
+        # most tokens any ring of the slot has been written up to (what an exact rollback checks), and
+        # the tokens the slot holds (an open plan's included; what `lengths` may go back up to)
+        self.high = [0] * batch_size
+        self.written = [0] * batch_size
+        # the plan whose step is not yet committed (open, or stale until settled)
         self._open: V4Plan | None = None
         self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
 
@@ -116,8 +130,7 @@ class V4Cache:
         check_positive("max_seq_len", max_seq_len)
         if max_seq_len <= self.max_seq_len:
             return
-        if self._open is not None:
-            raise ValueError("a plan is open; commit or discard it before growing the cache")
+        self._refuse_open("growing")
         old = {kind: self.per_slot(kind) for kind in (CSA, HCA)}
         self.max_seq_len = max_seq_len
         for layer, st in self.state.items():
@@ -131,8 +144,36 @@ class V4Cache:
                 )
                 st[name] = new
 
+    # what StepBook reads
+
+    @property
+    def slot_capacity(self) -> int:
+        return self.max_seq_len
+
+    def _tokens(self) -> list[int]:
+        return self.written
+
+    def _truncate(self, slot: int, tokens: int) -> None:
+        self.written[slot] = tokens
+
+    def _held_layers(self) -> list[int]:
+        return list(self.layers)
+
+    def _checked_lengths(self) -> list[int]:
+        """StepBook's checks of `lengths` (0..max_seq_len, never above the tokens a slot holds), and
+        every lowered length an exact rollback (the rings still hold what it reads). Changes nothing."""
+        lengths = super()._checked_lengths()
+        for s, n in enumerate(lengths):
+            if not self._exact(n, self.high[s]):
+                raise ValueError(
+                    f"lengths[{s}] = {n} is not an exact rollback; the nearest allowed length is "
+                    f"{self.lowest_exact(s)} (or 0)"
+                )
+        return lengths
+
     def plan(self, new_tokens, slots=None, *, seq_len: int | None = None) -> V4Plan:
-        """Check one step and build what its layers read; every refusal (ValueError) comes first."""
+        """Check one step and build what its layers read; every refusal (ValueError) comes first, and
+        changes nothing (not an open plan either). A plan made while another is open supersedes it."""
         if slots is not None:
             rows = len(int_list(slots, "slots"))
         elif isinstance(new_tokens, int) or hasattr(new_tokens, "__index__"):
@@ -144,30 +185,32 @@ class V4Cache:
         if max(counts) > width:
             raise ValueError(f"new_tokens {counts} outside 1..{width} (the padded width seq_len)")
         slot_ids = check_slots(slots, rows, self.batch_size)
-        self.check_lengths()
-        starts = self.lengths[slot_ids].clone()
-        over = [
-            s for s, n, c in zip(slot_ids, starts.tolist(), counts, strict=True) if n + c > self.max_seq_len
-        ]
+        lengths = self._checked_lengths()
+        starts = [lengths[s] for s in slot_ids]
+        over = [s for s, n, c in zip(slot_ids, starts, counts, strict=True) if n + c > self.max_seq_len]
         if over:
             raise ValueError(f"new_tokens {counts} overflow slots {over} (max_seq_len {self.max_seq_len})")
-        if self._open is not None:
-            self._open.state = "superseded"
-        plan = self._build(slot_ids, starts, torch.tensor(counts, dtype=torch.long), width)
+        # built before any change (it reads no ring): should it fail (memory), nothing changed
+        plan = self._build(slot_ids, torch.tensor(starts, dtype=torch.long), torch.tensor(counts), width)
+        self._supersede()
+        self._settle(lengths)  # the superseded plan's rows are put back (`_given_up`)
+        for s, st, n in zip(slot_ids, starts, counts, strict=True):
+            self.written[s] = st + n
         self._open = plan
+        plan.seen = lengths_seen(self.lengths)
         return plan
 
     def _build(self, slot_ids: list[int], starts, counts, width: int) -> V4Plan:
         cfg, slots = self.cfg, torch.tensor(slot_ids, dtype=torch.long)
         rw = self.ring(SLIDING)
+        spare_w = self.batch_size * rw
         positions, win_rows, win_visible, win_write = window_plan(
-            starts, counts, width, cfg.sliding_window, rw, slots, self.batch_size * rw
+            starts, counts, width, cfg.sliding_window, rw, slots, spare_w
         )
         dev = self.device
         plan = V4Plan(
             cache=self,
-            slots=slots.to(dev),
-            slot_list=slot_ids,
+            slots=slots,
             starts=starts,
             counts=counts,
             width=width,
@@ -175,6 +218,7 @@ class V4Cache:
             win_rows=win_rows.to(dev),
             win_visible=win_visible.to(dev),
             win_write=win_write.to(dev),
+            win_undo=undo_rows(win_write, spare_w).to(dev),
         )
         for kind in {cfg.layer_types[layer] for layer in self.layers} - {SLIDING}:
             ring, per = self.ring(kind), self.per_slot(kind)
@@ -182,6 +226,8 @@ class V4Cache:
             cp = compress_plan(
                 starts, counts, width, cfg.ratio(kind), 2 if kind == CSA else 1, ring, per, slots, spare
             )
+            cp.ring_undo = undo_rows(cp.ring_write, spare["ring"])
+            cp.store_undo = undo_rows(cp.entry_write, spare["store"])
             for name in (
                 "ring_rows",
                 "src",
@@ -190,38 +236,90 @@ class V4Cache:
                 "entry_write",
                 "ring_write",
                 "bias_idx",
+                "ring_undo",
+                "store_undo",
             ):
                 setattr(cp, name, getattr(cp, name).to(dev))
             cp.store_rows, cp.visible = cp.store_rows.to(dev), cp.visible.to(dev)
             plan.compress[kind] = cp
         return plan
 
-    def commit(self, plan: V4Plan) -> None:
-        """Advance `lengths` by the plan's new tokens: the step is done for every layer."""
+    def _undo_rows(self, plan: V4Plan, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """(buffer name, rows) of every buffer of `layer` the step writes."""
+        kind = self.cfg.layer_types[layer]
+        out = [("window", plan.win_undo)]
+        if kind != SLIDING:
+            cp = plan.compress[kind]
+            st = self.state[layer]
+            out += [(n, cp.ring_undo) for n in _RINGS if n in st]
+            out += [(n, cp.store_undo) for n in _STORES if n in st]
+        return out
+
+    def _begin_layer(self, plan: V4Plan, layer: int, module) -> None:
+        """Before `module` writes layer `layer` of the step (its call's checks passed): claim the layer
+        for it (a second module with the same layer_idx is refused), and save the rows the write
+        overwrites the first time this layer runs the step (a retry rewrites the same rows). No host
+        read of a tensor value."""
+        plan.claim(layer, module)
+        if layer not in plan.saved:
+            st, rows_of = self.state[layer], self._undo_rows(plan, layer)
+            with torch.no_grad():
+                plan.saved[layer] = [(name, rows, st[name].index_select(0, rows)) for name, rows in rows_of]
+
+    def _given_up(self, plan: V4Plan) -> None:
+        """Put back what the layers of an uncommitted plan overwrote: the cache is as before the plan."""
+        saved, plan.saved = plan.saved, {}
+        with torch.no_grad():
+            for layer, buffers in saved.items():
+                st = self.state[layer]
+                for name, rows, values in buffers:
+                    st[name].index_copy_(0, rows, values)
+
+    def commit(self, plan: V4Plan, *, layers=None) -> None:
+        """Advance `lengths` by the plan's new tokens: the step is done.
+
+        Refused (ValueError naming them) while a layer of the cache has not written the step: every
+        layer the cache holds by default; `layers` (a list of layer indices) names the layers this
+        step writes when that is on purpose fewer. In the layers that did not write, the step's tokens
+        then read as zeros: the window rows, the compressors' (and indexer's) carried projections and
+        gates, and the entries the step completes are zeroed (never what the rows held before). A
+        stale plan (a slot released, a length changed since it was made) is refused too."""
         self._check_plan(plan)
-        if not torch.equal(self.lengths[plan.slot_list], plan.starts):
-            raise ValueError("lengths changed since the plan; plan the step again")
-        ends = plan.starts + plan.counts
-        self.lengths[plan.slot_list] = ends
-        for s, n in zip(plan.slot_list, ends.tolist(), strict=True):
+        self._check_commit(plan, layers)
+        if layers is not None:
+            with torch.no_grad():
+                for layer in self.layers:
+                    if layer in plan.ran:
+                        continue
+                    st = self.state[layer]
+                    for name, rows in self._undo_rows(plan, layer):
+                        st[name].index_fill_(0, rows[:-1], 0)  # the real rows, not the spare one
+        self._commit_step(plan)
+        for s, n in zip(plan.slots.tolist(), (plan.starts + plan.counts).tolist(), strict=True):
             self.high[s] = max(self.high[s], n)
-        plan.state = "committed"
-        self._open = None
+        plan.saved = {}
 
     def discard(self, plan: V4Plan) -> None:
+        """Give up a plan that is open or stale (a layer failed, a request was cancelled): `lengths`
+        stay, and every row its layers overwrote is put back."""
         self._check_plan(plan)
-        plan.state = "discarded"
-        self._open = None
+        self._discard_step(plan)
 
     def _check_plan(self, plan) -> None:
-        if not isinstance(plan, V4Plan) or plan.cache is not self:
-            raise ValueError("plan must be a V4Plan made by this cache's plan(...)")
-        plan.check_open()
+        if not isinstance(plan, V4Plan):
+            raise ValueError(f"plan must be a V4Plan from V4Cache.plan(...), got {type(plan).__name__}")
+        if plan.cache is not self:
+            raise ValueError("plan was made by another cache")
+
+    def _refuse_open(self, doing: str) -> None:
+        if self._open is not None:
+            raise ValueError(f"a plan is {self._open.state}; commit or discard it before {doing} the cache")
 
     def release(self, slot: int) -> None:
-        """Empty `slot` for reuse (always exact: a length of 0 reads nothing)."""
+        """Empty `slot` for reuse (always exact: a length of 0 reads nothing); an open plan that writes
+        it goes stale (a cancelled request)."""
         slot = check_slot(slot, self.batch_size)
-        self.lengths[slot] = 0
+        self._release_slot(slot)
         self.high[slot] = 0
 
     def reorder(self, index) -> None:
@@ -229,8 +327,7 @@ class V4Cache:
         state (window ring, compressed entries, compressor and indexer carried state, lengths, high-water
         marks) with it. `index` may repeat or drop slots; its length is the new batch size."""
         idx = self._check_index(index)
-        if self._open is not None:
-            raise ValueError("a plan is open; commit or discard it before reordering the cache")
+        self._refuse_open("reordering")
         b, n = self.batch_size, len(idx)
         for st in self.state.values():
             for name, t in st.items():
@@ -240,6 +337,7 @@ class V4Cache:
                 st[name] = new
         self.lengths = self.lengths.index_select(0, idx)
         self.high = [self.high[i] for i in idx.tolist()]
+        self.written = [self.written[i] for i in idx.tolist()]
         self.batch_size = n
 
     def _check_index(self, index) -> torch.Tensor:
@@ -280,7 +378,8 @@ class V4Cache:
         return all(first >= length or first + ring >= high for first, ring in needs)
 
     def rollback(self, slot: int, length: int) -> None:
-        """Lower `lengths[slot]` to `length` (drop the newest tokens) where that is exact."""
+        """Lower `lengths[slot]` to `length` (drop the newest tokens) where that is exact; an open plan
+        that writes the slot goes stale (its rows are put back)."""
         slot = check_slot(slot, self.batch_size)
         current = int(self.lengths[slot])
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= current:
@@ -293,21 +392,10 @@ class V4Cache:
                 f"the nearest allowed length is {self.lowest_exact(slot)} "
                 f"(or 0; max_rollback={self.max_rollback})"
             )
+        lengths = self._checked_lengths()  # the other slots' lengths, edited in place, are checked too
         self.lengths[slot] = length
-
-    def check_lengths(self) -> None:
-        """Validate `lengths` edited in place: 0..max_seq_len, never raised, lowered only where exact."""
-        for s, n in enumerate(self.lengths.tolist()):
-            if not 0 <= n <= self.high[s]:
-                raise ValueError(
-                    f"lengths[{s}] = {n} outside 0..{self.high[s]} (tokens written); "
-                    "lengths can only be lowered"
-                )
-            if not self._exact(n, self.high[s]):
-                raise ValueError(
-                    f"lengths[{s}] = {n} is not an exact rollback; the nearest allowed length is "
-                    f"{self.lowest_exact(s)} (or 0)"
-                )
+        lengths[slot] = length
+        self._settle(lengths)
 
     @property
     def bytes_per_token(self) -> dict[str, float]:

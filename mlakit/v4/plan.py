@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlakit.cache.protocol import StepLife
+
 
 @dataclass
 class CompressPlan:
@@ -31,13 +33,20 @@ class CompressPlan:
     visible: torch.Tensor  # [B, S, N] query t sees entry w: w < (t+1)//m, and t is a real token
     num_entries: int  # E: most entries completed by one row this step (0: no pooling)
     num_keys: int  # N: most entries any row holds after this step
+    # the distinct rows the step writes (the spare row last): what a layer saves before writing
+    # (`V4Cache._begin_layer`) and an uncommitted plan puts back (`V4Cache._given_up`)
+    ring_undo: torch.Tensor | None = None  # [U] rows of ring_write
+    store_undo: torch.Tensor | None = None  # [U] rows of entry_write
 
 
-@dataclass
-class V4Plan:
+@dataclass(eq=False)
+class V4Plan(StepLife):
+    """One step over a V4Cache: what every layer reads (device tensors), then the host facts of the
+    step protocol the MLA caches share (`mlakit.cache.protocol.StepLife`: state, why, ran, owners,
+    seen; `slots`, `starts`, `counts` on the CPU)."""
+
     cache: object
-    slots: torch.Tensor  # [B] on the cache's device
-    slot_list: list[int]
+    slots: torch.Tensor  # [B] CPU long: the slot of each row
     starts: torch.Tensor  # [B] CPU: L_b
     counts: torch.Tensor  # [B] CPU: n_b
     width: int  # S
@@ -45,12 +54,21 @@ class V4Plan:
     win_rows: torch.Tensor  # [B, R_w] flat window-ring rows of each slot
     win_visible: torch.Tensor  # [B, S, R_w + S]
     win_write: torch.Tensor  # [B·S]
+    win_undo: torch.Tensor  # [U] the distinct window rows the step writes (the spare row last)
     compress: dict[int, CompressPlan] = field(default_factory=dict)
-    state: str = "open"
+    # layer -> [(buffer name, rows, their values before the layer's first write)]: what `discard`, a
+    # newer plan or a stale plan's settling puts back (the rings hold positions `lengths` still covers)
+    saved: dict = field(default_factory=dict, repr=False)
 
-    def check_open(self) -> None:
-        if self.state != "open":
-            raise ValueError(f"plan is {self.state}; plan the step again")
+    @property
+    def batch(self) -> int:
+        return self.slots.numel()
+
+
+def undo_rows(write: torch.Tensor, spare: int) -> torch.Tensor:
+    """The distinct rows of `write` (a CPU index of the rows a step writes), the spare row last."""
+    real = torch.unique(write[write != spare])
+    return torch.cat([real, torch.tensor([spare], dtype=real.dtype)])
 
 
 def _ring_positions(starts: torch.Tensor, ring: int) -> torch.Tensor:
