@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlakit.cache.protocol import StepLife
 from mlakit.dispatch import choose, sparse_path
 from mlakit.ops.absorb import KEY_BLOCK
 from mlakit.ops.common import core_dtype
@@ -65,7 +66,7 @@ class RowGroup:
 
 
 @dataclass(eq=False)
-class StepPlan:
+class StepPlan(StepLife):
     """One step of a model over a cache. Device tensors (what layers read) come first, then host facts
     that stay the same from step to step inside a bucket, then the bookkeeping `commit` uses (layers
     never read it).
@@ -105,8 +106,6 @@ class StepPlan:
     slots: torch.Tensor = field(default=None, repr=False)  # [B] CPU long
     starts: torch.Tensor = field(default=None, repr=False)  # [B] CPU long: lengths before the step
     counts: torch.Tensor = field(default=None, repr=False)  # [B] CPU long: new tokens of each row
-    # "open" until committed, discarded, superseded by a newer plan or made stale (`why` says how)
-    state: str = "open"
     # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
     backend: str | None = None
     # rope in the full-width form `mlakit.rope.apply_tables` reads: keys [N, dr], queries [N, 1, dr];
@@ -116,15 +115,8 @@ class StepPlan:
     rotation: torch.Tensor | None = field(default=None, repr=False)
     # the step's own latents per layer when there is no cache (`LocalContext`)
     local: object = field(default=None, repr=False)
-    # the protocol's host bookkeeping (layers never read it; no device sync): the layers that wrote the
-    # step's rows (`cache.write` records them), why the plan is no longer open, the `lengths` tensor
-    # and its version when last seen (a cheap test that nothing lowered a slot's length since), and
-    # the plan whose step this one serves (itself; another after `copy_from`: what a graph replays)
-    ran: set = field(default_factory=set, repr=False)
-    # layer_idx -> id of the module that ran it: each layer_idx runs a step in one module only
-    owners: dict = field(default_factory=dict, repr=False)
-    why: str | None = field(default=None, repr=False)
-    seen: tuple | None = field(default=None, repr=False)
+    # the plan whose step this one serves (itself; another after `copy_from`: what a graph replays);
+    # the lifecycle's fields (state, why, ran, owners, seen) are StepLife's
     host: StepPlan | None = field(default=None, repr=False)
     # what `cache.write` takes: (packed shape, rectangle shape, dtype, device index), made once per plan
     write_facts: tuple | None = field(default=None, repr=False)
@@ -190,48 +182,6 @@ class StepPlan:
             )
         self.host.check_open()
         self.host.ran |= self.ran
-
-    def claim(self, layer_idx: int, module) -> None:
-        """Record that `module` runs layer `layer_idx` of this step; a second module with the same
-        layer_idx is refused (two layers of a stack built with one index) before it writes. The same
-        module may run again (a retry after it raised rewrites the same rows)."""
-        step = self if self.host is None else self.host
-        if step.owners.setdefault(layer_idx, id(module)) != id(module):
-            raise ValueError(
-                f"layer_idx {layer_idx} already ran this step in another module: two layers of the stack "
-                "have the same layer_idx (MLAAttention(cfg, layer_idx=i) for layer i)"
-            )
-
-    @property
-    def step(self) -> StepPlan:
-        """The plan whose step this one serves: itself, or the plan it was last refilled from."""
-        return self if self.host is None else self.host
-
-    def check_open(self) -> None:
-        """Refuse (ValueError saying why) a plan that no longer serves an open step: committed,
-        discarded, superseded by a newer plan, or stale (a slot released or a length changed since)."""
-        plan = self if self.host is None else self.host
-        if plan.state != "open":
-            why = "" if plan.why is None else f" ({plan.why})"
-            raise ValueError(
-                f"plan is {plan.state}{why}; a plan serves one step: discard it if it is still open "
-                "and make a new one with cache.plan(...)"
-            )
-        cache = plan.cache
-        if cache is not None and not torch.compiler.is_dynamo_compiling():
-            seen, lengths = plan.seen, cache.lengths
-            # `lengths` untouched since last seen (one attribute read, no tensor op): nothing to check
-            if seen is None or lengths is not seen[0] or seen[1] is None or lengths._version != seen[1]:
-                cache.check_step(plan)
-
-
-def lengths_seen(lengths: torch.Tensor) -> tuple:
-    """(lengths, its version counter): what `check_open` compares. An inference tensor keeps no version
-    (None): every check then reads the lengths (host values, still no tensor op)."""
-    try:
-        return lengths, lengths._version
-    except RuntimeError:
-        return lengths, None
 
 
 def _host_facts(plan: StepPlan) -> dict:

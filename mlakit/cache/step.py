@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from mlakit.cache.checks import check_counts, check_positive, int_list
-from mlakit.cache.plan import StepPlan, decide_paths, lengths_seen, make_plan
-from mlakit.cache.protocol import StepBook
+from mlakit.cache.plan import StepPlan, decide_paths, make_plan
+from mlakit.cache.protocol import StepBook, lengths_seen
 from mlakit.dispatch import check_mode
 from mlakit.rope import RotaryTable
 
@@ -78,12 +78,9 @@ class StepCache(StepBook):
         paths = decide_paths(self.cfg, starts, counts, uniform, mode, profile)
         # every check passed: from here on the step's rows are reserved; should anything still fail
         # (memory), the bookkeeping and the open plan are put back as they were
-        old = self._open
-        was = None if old is None else (old.state, old.why)
         undo = self._undo_point()
         try:
-            if old is not None and old.state == "open":
-                old.state, old.why = "superseded", "a newer plan was made"
+            superseded = self._supersede()
             self._open = None
             self._settle(lengths)
             write_rows = self._reserve(slot_ids.tolist(), counts, width)
@@ -104,9 +101,7 @@ class StepCache(StepBook):
             )
         except BaseException:
             self._undo(undo)
-            if old is not None:
-                old.state, old.why = was
-            self._open = old
+            self._unsupersede(superseded)
             raise
         self._reserved()
         self._open = plan
@@ -147,17 +142,7 @@ class StepCache(StepBook):
         """
         self._check_plan(plan)
         step = plan.step
-        step.check_open()
-        self.check_step(step)
-        need = self._layers_arg(layers)
-        missing = [i for i in need if i not in step.ran]
-        if missing:
-            wrote = sorted(step.ran)
-            raise ValueError(
-                f"layers {missing} did not write this step (layers that wrote: {wrote}); run them with "
-                "this plan, name the layers the step writes with commit(plan, layers=[...]), or "
-                "cache.discard(plan)"
-            )
+        self._check_commit(step, layers)
         if layers is not None:
             # the layers that did not write keep no stale rows under the new tokens (a reused page
             # may hold a released request's latents): zeroed, as the contiguous cache's new rows are
@@ -165,22 +150,13 @@ class StepCache(StepBook):
             for i in range(self.num_layers):
                 if i not in step.ran:
                     self._zero_rows(i, rows)
-        self.lengths[step.slots] = step.starts + step.counts
-        step.state = "committed"
-        self._open = None
+        self._commit_step(step)
 
     def discard(self, plan: StepPlan) -> None:
         """Give up a plan that is open or stale (a layer failed, a request was cancelled): `lengths`
         stay; the rows reserved for it are given back."""
         self._check_plan(plan)
-        step = plan.step
-        if step.state not in ("open", "stale"):
-            step.check_open()  # says what happened to it
-        lengths = self._checked_lengths()
-        step.state = "discarded"
-        if self._open is step:
-            self._open = None
-        self._settle(lengths)
+        self._discard_step(plan.step)
 
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, StepPlan):
