@@ -247,14 +247,22 @@ def test_text_prompts_stop_strings_logprobs_and_cli(tmp_path, capsys):
     assert err[-1] == "mlakit generate: error: top_p must be in (0, 1], got 0.0"
 
 
-def test_decode_and_prefill_steps_alternate_while_both_are_pending():
+def test_decode_rows_and_a_prompt_chunk_share_one_packed_step():
     eng = engine(max_num_batched_tokens=64)
+    mlp_rows = []
+    mlp = eng.runner.model.model.layers[0].mlp
+    hook = mlp.register_forward_pre_hook(lambda m, args: mlp_rows.append(tuple(args[0].shape)))
     eng.add_request("a", prompts(1, [20], seed=12)[0], SamplingParams(temperature=0, max_tokens=6))
-    eng.step()  # a's prompt: one mixed step
+    eng.step()  # a's prompt alone
     eng.add_request("b", prompts(1, [150], seed=13)[0], SamplingParams(temperature=0, max_tokens=2))
-    kinds = []
-    for _ in range(4):
+    steps = []
+    for _ in range(3):
         eng.step()
-        kinds.append(eng._last_kind)
-    assert kinds == ["prefill", "decode", "prefill", "decode"]
+        steps.append(eng.timings["steps"])
+    hook.remove()
+    width = eng.runner.model.config.hidden_size
+    # every step after the first: a's decode token beside the chunk of b's prompt that fills the budget
+    # (63, 63, then b's last 24), one step each, and the MLP sees exactly those tokens packed
+    assert mlp_rows == [(1, 20, width), (1, 64, width), (1, 64, width), (1, 25, width)]
+    assert steps == [2, 3, 4]
     drain(eng)

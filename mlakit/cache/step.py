@@ -76,17 +76,34 @@ class StepCache(StepBook):
         # decided before any change
         starts = [lengths[s] for s in slot_ids.tolist()]
         paths = decide_paths(self.cfg, starts, counts, uniform, mode, profile)
-        # every check passed: from here on the step's rows are reserved; should anything still fail
-        # (memory), the bookkeeping and the open plan are put back as they were
+        slot_list = slot_ids.tolist()
+        return self._make(slot_list, counts, uniform, width, mode, profile, bucket, paths, starts, lengths)
+
+    def step_plan(
+        self, counts: list[int], slots: list[int], *, bucket: bool = True, profile=None
+    ) -> StepPlan:
+        """The plan of a serving engine's step: `plan(counts, slots, mode="auto")` without the checks of
+        the caller's arguments, which the engine's scheduler guarantees (distinct slots in range, counts
+        >= 1 that the pages can take, one plan at a time). The bookkeeping is the same: the plan is open,
+        commit / discard / stale work as for any plan, and a failure while reserving undoes itself."""
+        lengths = self.lengths.tolist()
+        starts = [lengths[s] for s in slots]
+        paths = decide_paths(self.cfg, starts, counts, False, "auto", profile)
+        return self._make(slots, counts, False, max(counts), "auto", profile, bucket, paths, starts, lengths)
+
+    def _make(self, slots, counts, uniform, width, mode, profile, bucket, paths, starts, lengths) -> StepPlan:
+        """Reserve the step's rows and build its plan (every check has passed); should anything still
+        fail (memory), the bookkeeping and the open plan are put back as they were."""
+        slot_t = torch.tensor(slots, dtype=torch.long)
         undo = self._undo_point()
         try:
             superseded = self._supersede()
             self._open = None
             self._settle(lengths)
-            write_rows = self._reserve(slot_ids.tolist(), counts, width)
+            write_rows = self._reserve(slots, counts, width)
             plan = make_plan(
                 self,
-                slot_ids.tolist(),
+                slots,
                 counts,
                 uniform,
                 width,
@@ -94,8 +111,8 @@ class StepCache(StepBook):
                 profile,
                 write_rows,
                 self._bucket if bucket else _exact_keys,
-                self._rows_of(slot_ids),
-                self._table_of(slot_ids),
+                self._rows_of(slot_t),
+                self._table_of(slot_t),
                 paths=paths,
                 starts=starts,
             )

@@ -23,7 +23,7 @@ from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
 from mlakit.engine.runner import ModelRunner, check_family
 from mlakit.engine.sampler import sample
-from mlakit.engine.scheduler import kind_of, schedule
+from mlakit.engine.scheduler import schedule
 
 PENDING = "pending"  # a sibling of n > 1 waiting for the prompt to be computed once
 KEEP_FINISHED_IDS = 100_000
@@ -91,7 +91,6 @@ class LLMEngine:
         self.waiting: list[Sequence] = []
         self._changed: dict[str, Request] = {}
         self._arrivals = 0
-        self._last_kind = "mixed"
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         # host seconds spent per part of the step (the benchmark reads them)
         self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
@@ -169,13 +168,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run at most one plan; returns the requests that changed (finished ones once, last)."""
         t0 = time.perf_counter()
-        kind = kind_of(self.running, self.waiting, self._last_kind)
         args = (self.running, self.waiting, self.kv, self.max_num_batched_tokens, self.max_num_seqs)
-        sched = schedule(*args, kind)
-        if not sched.seqs and kind == "prefill" and not sched.preempted:
-            kind = "decode"  # no prompt work fits this step: the decode rows run
-            sched = schedule(*args, kind)
-        self._last_kind = kind
+        sched = schedule(*args)
         self.timings["schedule"] += time.perf_counter() - t0
         self.num_preemptions += len(sched.preempted)
         for seq in sched.admitted:
@@ -189,30 +183,27 @@ class LLMEngine:
         return self._report()
 
     def _run(self, sched) -> None:
-        width = sched.width
-        ids, positions, pack, keep, sampling, scored, done = [], [], [], [], [], [], []
-        for row, (seq, n) in enumerate(zip(sched.seqs, sched.counts, strict=True)):
-            start = seq.computed
-            scored += [(seq.request, p, len(ids) + p - start) for p in _scored_positions(seq, n)]
-            ids += seq.tokens[start : start + n]
-            positions += range(start, start + n)
-            pack += range(row * width, row * width + n)
-            if start + n == len(seq.tokens) and seq.request.params.max_tokens == 0:
-                done.append(seq)  # prompt_logprobs with max_tokens=0: scored, nothing to sample
-            elif start + n == len(seq.tokens):
-                keep.append(len(ids) - 1)
-                sampling.append(seq)
-        # rows [0, len(sampling)) sample; the rest score prompt tokens, in the same forward
-        keep += [i for _, _, i in scored]
         t0 = time.perf_counter()
         plan = t1 = None
-        try:  # a failing plan() undoes its own reservations; a failing forward discards the plan
-            plan = self.cache.plan(
-                sched.counts, [s.slot for s in sched.seqs], seq_len=width, bucket=self.bucket
-            )
+        try:  # a failing plan undoes its own reservations; a failing forward discards the plan
+            plan = self.cache.step_plan(sched.counts, [s.slot for s in sched.seqs], bucket=self.bucket)
+            # the step's tokens packed in the plan's row order (decode -> extend -> prefill)
+            ids, positions, keep, sampling, scored, done = [], [], [], [], [], []
+            for row in plan.order:
+                seq, n = sched.seqs[row], sched.counts[row]
+                start = seq.computed
+                scored += [(seq.request, p, len(ids) + p - start) for p in _scored_positions(seq, n)]
+                ids += seq.tokens[start : start + n]
+                positions += range(start, start + n)
+                if start + n == len(seq.tokens) and seq.request.params.max_tokens == 0:
+                    done.append(seq)  # prompt_logprobs with max_tokens=0: scored, nothing to sample
+                elif start + n == len(seq.tokens):
+                    keep.append(len(ids) - 1)
+                    sampling.append(seq)
+            # rows [0, len(sampling)) sample; the rest score prompt tokens, in the same forward
+            keep += [i for _, _, i in scored]
             t1 = time.perf_counter()
-            packed = None if len(pack) == plan.batch * width else pack  # no padding: no scatter
-            hidden = self.runner.forward(plan, ids, positions, packed, keep)
+            hidden = self.runner.forward(plan, ids, positions, keep)
         except BaseException:
             if plan is not None:
                 self.cache.discard(plan)

@@ -2,9 +2,9 @@
 
 The model runs its own transformers forward (embeddings, norms, MLP/MoE, lm_head, every family's
 scales), its attention modules replaced by `EngineAttention`: mlakit `MLAAttention` layers sharing the
-original weights, all reading one `StepPlan` over one `PagedLatentCache`. The decoder layers see the
-step's tokens packed ([1, N, D]: no padding in the MLP); each attention scatters them into the plan's
-rectangle [B, S, D], runs `layer(h, plan)` and gathers them back. The forward hands back the final
+original weights, all reading one `StepPlan` over one `PagedLatentCache`. The step's tokens are packed
+end to end ([1, N, D] through the decoder layers, [N, D] into each attention, N the real token count,
+in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
 hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
 head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
 """
@@ -36,7 +36,6 @@ class StepContext:
     """What every EngineAttention of one step reads (set by the runner before the forward)."""
 
     plan = None
-    pack: torch.Tensor | None = None  # [N] long: flat index of each packed token in [B * S]
 
 
 class EngineAttention(nn.Module):
@@ -49,22 +48,14 @@ class EngineAttention(nn.Module):
         self.returns_indices = returns_indices
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        plan, pack = self.ctx.plan, self.ctx.pack
+        plan = self.ctx.plan
         if plan is None:
             raise RuntimeError(
                 "this model belongs to an mlakit.engine LLM/LLMEngine (its attention reads the engine's "
                 "paged cache): generate through the engine, or pass a copy (copy.deepcopy) to keep one "
                 "for transformers"
             )
-        width = hidden_states.shape[-1]
-        flat = hidden_states.reshape(-1, width)  # [N, D]
-        if pack is None:
-            out = self.mla(flat.view(plan.batch, plan.seq_len, width), plan)
-        else:
-            padded = flat.new_zeros(plan.batch * plan.seq_len, width).index_copy_(0, pack, flat)
-            out = self.mla(padded.view(plan.batch, plan.seq_len, width), plan)
-            out = out.reshape(-1, width).index_select(0, pack)
-        out = out.reshape(hidden_states.shape)
+        out = self.mla(hidden_states.view(-1, hidden_states.shape[-1]), plan).view(hidden_states.shape)
         return (out, None, None) if self.returns_indices else (out, None)
 
 
@@ -119,12 +110,12 @@ class ModelRunner:
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, plan, ids: list[int], positions: list[int], pack: list[int] | None, keep: list[int]):
+    def forward(self, plan, ids: list[int], positions: list[int], keep: list[int]):
         """Hidden states [len(keep), D] (model dtype) of the packed tokens at `keep` after one step of the
-        plan: what the lm_head would read (the model's final norm and its family's scale applied)."""
+        plan (`ids`, `positions`: its tokens in the plan's order): what the lm_head would read (the
+        model's final norm and its family's scale applied)."""
         dev = self.device
         self.ctx.plan = plan
-        self.ctx.pack = None if pack is None else torch.tensor(pack, dtype=torch.long, device=dev)
         # every served family's last op is `lm_head(hidden[:, keep])`: skipped here, applied by `logits`
         self.model.lm_head = self._through
         try:
@@ -138,7 +129,7 @@ class ModelRunner:
             )
         finally:
             self.model.lm_head = self.head
-            self.ctx.plan = self.ctx.pack = None
+            self.ctx.plan = None
         return out.logits[0]
 
     @torch.inference_mode()

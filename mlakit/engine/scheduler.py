@@ -1,12 +1,11 @@
 """The scheduler: one function over two queues with one token budget.
 
 Running sequences first (those with one token left to compute, then unfinished prompt chunks), then
-waiting ones in arrival order. A step's hidden states are a rectangle (rows × the longest chunk), so the
-budget bounds rows × width: a long prompt is cut into chunks that fit beside the step's other rows.
-When pages run out for a running sequence, the most recently admitted running sequence is preempted
-(its pages freed; it is recomputed later). While decode rows and prompt work are both pending, decode
-and prefill steps alternate (`kind_of`): padded queries made mixed rectangles mostly padding.
-Tensor-free: `kv` is the engine's KVManager (or a fake).
+waiting ones in arrival order, every step: a step's tokens are packed (no padding anywhere), so decode
+rows and prompt chunks share a step and the budget counts real tokens; a long prompt is cut into the
+chunk that fits beside the step's decode rows (chunked prefill). When pages run out for a running
+sequence, the most recently admitted running sequence is preempted (its pages freed; it is recomputed
+later). Tensor-free: `kv` is the engine's KVManager (or a fake).
 """
 
 from __future__ import annotations
@@ -24,40 +23,21 @@ class Schedule:
     admitted: list[Sequence] = field(default_factory=list)
 
     @property
-    def width(self) -> int:
-        return max(self.counts, default=0)
+    def num_tokens(self) -> int:
+        return sum(self.counts)
 
     def fits(self, chunk: int, budget: int) -> int:
-        """The largest chunk <= `chunk` one more row may take within `budget` (0: none)."""
-        rows = len(self.seqs) + 1
-        chunk = min(chunk, budget // rows)
-        if chunk < 1 or rows * max(self.width, chunk) > budget:
-            return 0
-        return chunk
+        """The largest chunk <= `chunk` one more row may take within `budget` real tokens (0: none)."""
+        return max(0, min(chunk, budget - self.num_tokens))
 
 
-def kind_of(running: list[Sequence], waiting: list[Sequence], last: str) -> str:
-    """ "mixed" unless there are both decode rows and prompt work: then "decode" and "prefill" alternate
-    (a decode row beside a chunk of width S pays S padded queries: at 64 rows and chunks of 32, a
-    mixed rectangle computed ~40% real tokens)."""
-    decode = any(len(s.tokens) - s.computed == 1 for s in running)
-    prompt = bool(waiting) or any(len(s.tokens) - s.computed > 1 for s in running)
-    if decode and prompt:
-        return "decode" if last == "prefill" else "prefill"
-    return "mixed"
-
-
-def schedule(
-    running: list[Sequence], waiting: list[Sequence], kv, budget: int, max_seqs: int, kind: str = "mixed"
-) -> Schedule:
-    """Pick this step's rows and chunks; admits and preempts through `kv`, updating both queues.
-    `kind`: "mixed" (every row), "decode" (running rows with one token left only) or "prefill" (prompt
-    chunks only: running ones first, then waiting ones)."""
+def schedule(running: list[Sequence], waiting: list[Sequence], kv, budget: int, max_seqs: int) -> Schedule:
+    """Pick this step's rows and chunks; admits and preempts through `kv`, updating both queues. Decode
+    rows come first (they never wait behind a prompt), then running prompt chunks, then waiting
+    prompts while the token budget, the pages and `max_seqs` allow."""
     out = Schedule()
     reserved = 0  # pages the rows scheduled so far will take at the plan
     by_need = sorted(running, key=lambda s: (len(s.tokens) - s.computed > 1, s.admitted))
-    if kind != "mixed":
-        by_need = [s for s in by_need if (len(s.tokens) - s.computed == 1) == (kind == "decode")]
     for seq in by_need:
         if seq not in running:
             continue  # preempted for an earlier row
@@ -73,8 +53,8 @@ def schedule(
             reserved += kv.need(seq, chunk)
             out.seqs.append(seq)
             out.counts.append(chunk)
-    if out.preempted or kind == "decode":
-        return out  # pages are short (or a decode step): admit nothing new this step
+    if out.preempted:
+        return out  # pages are short: admit nothing new this step
     while waiting and len(running) < max_seqs:
         seq = waiting[0]
         pages, free_held = kv.probe(seq)
