@@ -17,7 +17,7 @@ from mlakit.cache.step import pack_rows
 from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
-from mlakit.linear import Linear
+from mlakit.linear import Linear, call
 from mlakit.ops import absorb, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
@@ -41,9 +41,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)  # promote, never demote
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32  # promote, never demote
+        xf = x if x.dtype is work else x.to(work)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf if x.dtype is work else xf.to(x.dtype))
 
 
 def project_unrotated(
@@ -53,16 +54,17 @@ def project_unrotated(
     q_nope [B,S,H,dn], q_pe [B,S,H,dr], c_kv [B,S,L] (normalized), k_pe [B,S,dr] (any leading shape:
     packed tokens [N, D] give [N,H,dn], ...). `q_resid`: the normalized query latent
     q_a_layernorm(q_a_proj(x)) when the caller has it already (DSA)."""
-    lead = hidden_states.shape[:-1]
+    mods = m._modules  # straight from the dict: Module.__getattr__ costs ~1 us a lookup
     if cfg.q_lora_rank is None:
-        q = m.q_proj(hidden_states)
+        q = call(mods["q_proj"], hidden_states)
     else:
-        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)) if q_resid is None else q_resid)
-    q = q.view(*lead, cfg.num_heads, cfg.qk_head_dim)
-    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    latent = m.kv_a_proj_with_mqa(hidden_states)
-    c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return q_nope, q_pe, m.kv_a_layernorm(c_kv), k_pe
+        if q_resid is None:
+            q_resid = call(mods["q_a_layernorm"], call(mods["q_a_proj"], hidden_states))
+        q = call(mods["q_b_proj"], q_resid)
+    q = q.view(*hidden_states.shape[:-1], cfg.num_heads, -1)
+    dn, width = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    latent = call(mods["kv_a_proj_with_mqa"], hidden_states)
+    return q[..., :dn], q[..., dn:], call(mods["kv_a_layernorm"], latent[..., :width]), latent[..., width:]
 
 
 class MLAAttention(nn.Module):
@@ -136,15 +138,32 @@ class MLAAttention(nn.Module):
         under torch.compile the conversion traces into the graph (docs/mla.md has the cost).
         """
         cfg = self.cfg
-        w = self.kv_b_proj.weight
-        per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        m = self._modules["kv_b_proj"]
+        w = m._parameters.get("weight") if type(m) is Linear else None
+        w = m.weight if w is None else w
         cd = compute_dtype(w.dtype, w.device)
+        records = torch.is_grad_enabled() and w.requires_grad
+        if cd is w.dtype and not records and not torch.compiler.is_compiling():
+            # views of the weight itself (its storage: in-place writes are seen), made again when the
+            # parameter, its storage or the inference mode changes
+            key = (id(w), w.data_ptr(), w._version if not w.is_inference() else None)
+            kept = self.__dict__.get("_up_views")
+            if kept is None or kept[0] != key or kept[1] != torch.is_inference_mode_enabled():
+                kept = self._up_views = (key, torch.is_inference_mode_enabled(), _up_split(cfg, w))
+            return kept[2]
+        per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         if cd != w.dtype:
             if torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
                 per_head = per_head.to(cd)
             else:
                 per_head = self._converted(per_head, cd)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
+
+    def __getstate__(self) -> dict:
+        # kept weight views share memory with the parameter only in this process
+        state = dict(super().__getstate__())
+        state.pop("_up_views", None)
+        return state
 
     def _converted(self, per_head: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
         """`per_head` copied into this layer's reused `cd` buffer (reallocated when its shape, device or
@@ -299,12 +318,17 @@ class MLAAttention(nn.Module):
         outs = []
         for g in plan.groups:
             t0, t1 = g.tokens
-            r, n = g.batch_rows, g.new
-            iq = None if index_q is None else tuple(t[t0:t1].unflatten(0, (r, n)) for t in index_q)
-            qn, qp = q_nope[t0:t1].unflatten(0, (r, n)), q_pe[t0:t1].unflatten(0, (r, n))
+            r, n = g.rows[1] - g.rows[0], g.new
+            if t1 - t0 == q_nope.shape[0]:  # one group: the step's tensors as they are
+                qn, qp, iq = q_nope.view(r, n, *q_nope.shape[1:]), q_pe.view(r, n, *q_pe.shape[1:]), index_q
+                if iq is not None:
+                    iq = tuple(t.view(r, n, *t.shape[1:]) for t in iq)
+            else:
+                qn, qp = _rows(q_nope, t0, t1, r, n), _rows(q_pe, t0, t1, r, n)
+                iq = None if index_q is None else tuple(_rows(t, t0, t1, r, n) for t in index_q)
             o = self._attend_group(plan, g, layer, qn, qp, iq)  # [R, new, H, dv]
             outs.append(o.reshape(t1 - t0, -1))
-        out = self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [N, D]
+        out = call(self._modules["o_proj"], outs[0] if len(outs) == 1 else torch.cat(outs))  # [N, D]
         if not rect:
             return out
         if plan.pack is None:
@@ -550,6 +574,17 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     if x.dtype == rotation.dtype:
         return torch.bmm(x, rotation)
     return torch.bmm(x.to(rotation.dtype), rotation).to(x.dtype)
+
+
+def _up_split(cfg: MLAConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H·(dn+dv), L] → (w_uk [H, dn, L], w_uv [H, dv, L]): views."""
+    per_head = w.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
+
+
+def _rows(x: torch.Tensor, t0: int, t1: int, rows: int, new: int) -> torch.Tensor:
+    """Packed tokens t0..t1 of x [N, ...] as a group's rectangle [rows, new, ...] (a view)."""
+    return x[t0:t1].view(rows, new, *x.shape[1:])
 
 
 def _check_finite(x: torch.Tensor, valid) -> None:

@@ -235,6 +235,24 @@ def biased_block(q_lat, q_pe, c_kv, k_pe, bias, scale: float) -> torch.Tensor:
     return torch.bmm(torch.softmax(scores, dim=-1), c).view(batch, new, heads, latent)
 
 
+def absorb_one_block(q_nope, q_pe, c_kv, k_pe, bias, w_uk, w_uv, scale: float) -> torch.Tensor:
+    """Absorb over one key block in the storage dtype (fp32/fp64: nothing converted), against a plan's
+    additive mask bias [B,s,T]: fold, scores, softmax, weighted sum, unfold in ~16 tensor calls (the
+    arithmetic of `fold_queries` + `biased_block` + `unfold_values`). Returns out [B,s,H,dv]."""
+    batch, new, heads, dn = q_nope.shape
+    rows = batch * new
+    q_lat = torch.bmm(q_nope.reshape(rows, heads, dn).transpose(0, 1), w_uk).transpose(0, 1)  # [B·s, H, L]
+    if new > 1:  # the same mask row for every head of a query; queries (s, H) flattened per row
+        bias = bias[:, :, None, :].expand(batch, new, heads, bias.shape[-1]).reshape(batch, new * heads, -1)
+        q_lat = q_lat.reshape(batch, new * heads, -1)
+    q_r = q_pe.reshape(batch, new * heads, -1)
+    scores = torch.baddbmm(bias, q_r, k_pe.transpose(1, 2), alpha=scale)
+    scores.baddbmm_(q_lat, c_kv.transpose(1, 2), alpha=scale)
+    o_lat = torch.bmm(torch.softmax(scores, dim=-1), c_kv)  # [B, s·H, L]
+    out = torch.bmm(o_lat.view(rows, heads, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B·s, dv]
+    return out.transpose(0, 1).view(batch, new, heads, -1)
+
+
 def _buffer(x: torch.Tensor, block: int, cd: torch.dtype) -> torch.Tensor | None:
     """A [B, block, width] buffer in `cd` when x must be converted, else None."""
     if x.dtype == cd:

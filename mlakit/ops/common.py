@@ -59,9 +59,16 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
     Without AVX512-BF16/AMX, torch's bf16 GEMM on CPU runs a slow generic kernel (under 1 GFLOP/s
     measured on a 2-core AVX2 EPYC); converting a block to fp32 and using the fp32 GEMM is far faster.
     """
-    if torch.device(device).type == "cpu" and not _cpu_has_fast(dtype):
-        return torch.float32
-    return dtype
+    key = (dtype, device)
+    cd = _COMPUTE.get(key)
+    if cd is None:
+        cd = torch.float32 if torch.device(device).type == "cpu" and not _cpu_has_fast(dtype) else dtype
+        _COMPUTE[key] = cd
+    return cd
+
+
+# (dtype, device) -> compute dtype: a host fact asked several times per layer call
+_COMPUTE: dict = {}
 
 
 def core_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -72,7 +79,7 @@ def core_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     softmax (an lse off by ~1e-3 at DeepSeek-V3 widths). The fused core (`mlakit.ops.cpu_core`) keeps
     bf16 products with fp32 scores; the torch path does the same in fp32.
     """
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    if dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu":
         return torch.float32
     return dtype
 

@@ -15,7 +15,14 @@ from collections.abc import Callable
 
 import torch
 
-from mlakit.ops.absorb import KEY_BLOCK, biased_block, fold_queries, latent_attention, unfold_values
+from mlakit.ops.absorb import (
+    KEY_BLOCK,
+    absorb_one_block,
+    biased_block,
+    fold_queries,
+    latent_attention,
+    unfold_values,
+)
 from mlakit.ops.common import acc_dtype, compute_dtype, context_mask, query_chunk
 from mlakit.ops.cpu_core import check_core, fused_latent, use_fused
 from mlakit.ops.merge import merge
@@ -54,6 +61,15 @@ def absorb_chunked(
     keys = max_keys if static else int(kv_lens.max())
     if keys <= 0:
         raise ValueError(f"kv_lens {kv_lens.tolist()} hold no key to attend")
+    if (
+        bias is not None
+        and keys <= min(chunk_tokens, KEY_BLOCK)
+        and (q_nope.dtype is torch.float32 or q_nope.dtype is torch.float64)
+        and not (torch.is_grad_enabled() and (q_nope.requires_grad or w_uk.requires_grad))
+    ):
+        # fp32/fp64 (no fused core, nothing to convert): the one-block form straight away
+        c_kv, k_pe = read(0, keys)
+        return absorb_one_block(q_nope, q_pe, c_kv, k_pe, bias, w_uk, w_uv, scale), None
     # the matmuls run in the compute dtype (fp32 for bf16 on a CPU without native bf16), as absorb's
     cd = compute_dtype(q_nope.dtype, q_nope.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
