@@ -210,6 +210,7 @@ def test_tensor_parallel_two_ranks(model, runs):
         {"tp2": {"backend": "CUSTOM", "tp": 2, "batches": [PROMPTS]}},
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
         VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # apply_model sends a function to the worker processes
     )["tp2"]
     assert "error" not in tp, tp.get("error")
     assert [layers["impls"] for layers in tp["layers"]] == [["MlakitMLAImpl"]] * 2
