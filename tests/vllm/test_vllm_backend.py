@@ -49,7 +49,7 @@ ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "MLAKIT_VLLM_CHECK": "1",
-    "PYTHONPATH": str(ROOT),
+    "PYTHONPATH": os.pathsep.join((str(ROOT), str(HERE))),
 }
 
 PROMPTS = prompts(5, [1, 7, 130, 300, 600], seed=1)

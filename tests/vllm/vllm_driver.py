@@ -97,7 +97,10 @@ def run(model: str, spec: dict) -> dict:
             )
         batches.append(rows)
     metrics = llm.get_metrics()
-    layers = llm.apply_model(_layers)
+    # by module reference, not __main__'s: -tp 2 pickles it to the worker processes
+    import vllm_driver
+
+    layers = llm.apply_model(vllm_driver._layers)
     out = {
         "batches": batches,
         "load_s": load_s,
