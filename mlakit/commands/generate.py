@@ -28,15 +28,21 @@ def register(sub) -> None:
     p.add_argument(
         "--cache-memory", default=None, help="cache size, e.g. 1GiB (default: a share of free memory)"
     )
+    p.add_argument(
+        "--threads", type=int, default=None, help="compute threads (default: every core this process may use)"
+    )
     p.add_argument("--json", action="store_true", help="print the RequestOutput as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from mlakit.engine import LLM
+    from mlakit.engine.threads import check_threads, set_threads
 
     start = time.perf_counter()
+    threads = check_threads(args.threads)
     params, tokenizer = check(args)
+    set_threads(threads)
     print(f"mlakit generate: loading {args.model} ...", file=sys.stderr)
     llm = LLM(
         args.model,

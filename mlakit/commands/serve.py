@@ -32,6 +32,12 @@ def register(sub) -> None:
         help="require `Authorization: Bearer KEY` on /v1 (default: $MLAKIT_API_KEY, else none)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="weights and compute dtype")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads (torch's intra-op pool; default: every core this process may use)",
+    )
     p.add_argument("--cache-memory", default=None, help="bytes or e.g. 2GiB for the latent pages")
     p.add_argument(
         "--max-waiting-requests",
@@ -83,6 +89,9 @@ def _check_tokenizer(model: str) -> None:
 
 
 def run(args) -> int:
+    from mlakit.engine.threads import check_threads, set_threads
+
+    threads = check_threads(args.threads)
     _check_extra()
     _check_port(args.host, args.port)
     import uvicorn
@@ -92,6 +101,7 @@ def run(args) -> int:
     from mlakit.serve.app import build_app
 
     _check_tokenizer(args.model)
+    threads = set_threads(threads)
     engine = LLMEngine(args.model, **engine_kwargs(args))
     name = args.served_model_name or args.model
     app = build_app(EngineAdapter(engine), name, **app_kwargs(args))
@@ -102,7 +112,8 @@ def run(args) -> int:
     gc.collect()
     gc.freeze()
     print(
-        f"mlakit serve: {name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        f"mlakit serve: {name} at http://{args.host}:{args.port}/v1, {threads} compute threads "
+        "(Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )
