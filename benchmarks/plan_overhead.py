@@ -44,9 +44,11 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = Counter()
+        self.non_view = 0  # ops that are not views of their input (what computes or copies)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
+        self.non_view += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -126,6 +128,7 @@ def measure(kind: str, name: str, fn, reps: int, extra_ops: int = 0, count: bool
         "cache": kind,
         "call": name,
         "aten_ops": ops,
+        "non_view_ops": counter.non_view if count else None,
         "ms": 1e3 * times[0],
         "median_ms": 1e3 * times[1],
         "ops": dict(counter.ops),
@@ -190,10 +193,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = tiny_rows("contiguous", args.reps) + tiny_rows("paged", args.reps)
-    print(f"{'cache':<11} {'call':<19} {'aten ops':>8} {'min ms':>8} {'med ms':>8}")
+    print(f"{'cache':<11} {'call':<19} {'aten ops':>8} {'non-view':>8} {'min ms':>8} {'med ms':>8}")
     for r in rows:
         ops = "-" if r["aten_ops"] is None else r["aten_ops"]
-        print(f"{r['cache']:<11} {r['call']:<19} {ops:>8} {r['ms']:>8.3f} {r['median_ms']:>8.3f}")
+        nv = "-" if r["non_view_ops"] is None else r["non_view_ops"]
+        print(f"{r['cache']:<11} {r['call']:<19} {ops:>8} {nv:>8} {r['ms']:>8.3f} {r['median_ms']:>8.3f}")
         if args.ops and r["aten_ops"] is not None:
             top = Counter(r["ops"]).most_common(args.ops)
             print("    " + ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in top))
