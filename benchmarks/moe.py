@@ -6,12 +6,15 @@ Each block is built from its family's config with mlakit.engine.demo.DEMO's MoE 
 8 routed experts of width 512, 2 per token, 1 shared expert), N(0, 0.02) weights; the router's
 correction bias is drawn too so V3-style routing is not all ties. For every token count the hidden
 states are random and every implementation runs the same input; the outputs are compared with the
-"eager" one before any timing (max |diff| printed). `batched_mm` gathers one weight copy per
-(token, expert) pair and is skipped where that copy would pass `--batched-cap` bytes. Times are the
-median of repeats (at least 3, about `--budget` seconds each).
+"eager" one before any timing (max |diff| printed). "mlakit" is GroupedMoE on torch.mm, "packed"
+the same with bf16 expert weights prepacked for oneDNN (GroupedMoE.pack). `batched_mm` gathers one
+weight copy per (token, expert) pair and is skipped where that copy would pass `--batched-cap` GiB.
+Times are the best of repeats taken round-robin over the implementations (at least 3, about
+`--budget` seconds each): the machine may be shared, and the best run is the least disturbed.
 
     PYTHONPATH=. python benchmarks/moe.py [--tokens 1 8 32 128 2048] [--dtypes fp32 bf16]
-        [--threads 1 2] [--families ...] [--impls eager batched_mm grouped_mm mlakit] [--json out.json]
+        [--threads 1 2] [--families ...] [--impls eager batched_mm grouped_mm mlakit packed]
+        [--budget 0.6] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ FAMILIES = {
     "glm-moe-dsa": ("GlmMoeDsaConfig", "glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaMoE"),
     "glm-4.7-flash": ("Glm4MoeLiteConfig", "glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteMoE"),
 }
-IMPLS = ["eager", "batched_mm", "grouped_mm", "mlakit"]
+IMPLS = ["eager", "batched_mm", "grouped_mm", "mlakit", "packed"]
+OURS = ("mlakit", "packed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WIDTHS = (
     "hidden_size",
@@ -85,7 +89,7 @@ def build_block(family: str, dtype: torch.dtype, seed: int = 0):
 
 
 def timed(fns: dict, budget: float) -> dict:
-    """Median seconds of each fn() over repeats taken round-robin (load drift hits all alike), about
+    """Best seconds of each fn() over repeats taken round-robin (load drift hits all alike), about
     `budget` seconds per fn, 3 repeats at least."""
     first = {}
     for name, fn in fns.items():
@@ -100,7 +104,7 @@ def timed(fns: dict, budget: float) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {name: min(t) for name, t in times.items()}
 
 
 def call(module, x, config=None, impl=None):
@@ -132,16 +136,19 @@ def main() -> None:
         + ", ".join(f"{v:.1f}" for v in os.getloadavg())
     )
     print("# widths: " + ", ".join(f"{k}={DEMO[k]}" for k in WIDTHS))
-    print("# ms per MoE block call (median); speedup = best transformers implementation / mlakit")
+    print("# ms per MoE block call (best of round-robin repeats), (max |diff| vs eager)")
+    print("# mlakit: GroupedMoE on torch.mm; packed: GroupedMoE with its bf16 experts prepacked for oneDNN")
+    print("# xS: fastest transformers implementation / fastest mlakit one; -: not run (fp32 / --batched-cap)")
     rows = []
-    with torch.inference_mode():
+    with torch.no_grad():
         for threads in args.threads:
             torch.set_num_threads(threads)
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
                 for family in args.families:
                     block, config = build_block(family, dtype)
-                    grouped = GroupedMoE(block)
+                    grouped, packed = GroupedMoE(block), GroupedMoE(block)
+                    has_packed = packed.pack()
                     width, inter = DEMO["hidden_size"], DEMO["moe_intermediate_size"]
                     per_pair = 3 * inter * width * block.experts.down_proj.element_size()
                     for n in args.tokens:
@@ -154,14 +161,19 @@ def main() -> None:
                             if impl == "batched_mm" and gathered > args.batched_cap * 2**30:
                                 row[impl] = None  # one weight copy per (token, expert) pair
                                 continue
-                            fns[impl] = call(grouped, x) if impl == "mlakit" else call(block, x, config, impl)
+                            if impl == "packed" and not has_packed:
+                                row[impl] = None  # fp32, or no oneDNN: nothing to prepack
+                                continue
+                            ours = {"mlakit": grouped, "packed": packed}
+                            fns[impl] = call(ours[impl], x) if impl in ours else call(block, x, config, impl)
                             row[f"{impl}_diff"] = (fns[impl]().float() - ref.float()).abs().max().item()
                         row.update({k: v * 1e3 for k, v in timed(fns, args.budget).items()})
-                        best = min(row[i] for i in fns if i != "mlakit")
-                        row["speedup"] = best / row["mlakit"] if "mlakit" in fns else None
+                        theirs = [row[i] for i in fns if i not in OURS]
+                        mine = [row[i] for i in fns if i in OURS]
+                        row["speedup"] = min(theirs) / min(mine) if theirs and mine else None
                         rows.append(row)
                         cells = "  ".join(
-                            f"{i} {'skip' if row[i] is None else f'{row[i]:8.3f}'}"
+                            f"{i} {'  -' if row[i] is None else f'{row[i]:8.3f}'}"
                             + ("" if row[i] is None else f" ({row[f'{i}_diff']:.0e})")
                             for i in args.impls
                         )

@@ -245,3 +245,26 @@ def test_engine_greedy_equals_generate(family, impl):
         for step, (entry, lp) in enumerate(zip(got.logprobs, lps, strict=True)):
             assert abs(entry[got.token_ids[step]] - lp) <= 1e-4, f"prompt {i} step {step}"
     llm.llm_engine.check()
+
+
+def test_packed_bf16_experts():
+    """bf16 experts prepacked for oneDNN: the same products (within the bf16 bound of the unpacked
+    grouped block, measured identical), repacked when the weights change in place; fp32 never packs."""
+    block = make_block("deepseek-v3", routing_of("deepseek-v3", 0), dtype=torch.bfloat16)
+    plain, packed = GroupedMoE(block), GroupedMoE(block)
+    if not packed.pack():
+        pytest.skip("this torch build has no oneDNN linear prepacking")
+    x = torch.randn(1, 40, WIDTHS["hidden_size"]).to(torch.bfloat16)
+    with torch.no_grad():
+        want = plain(x)
+        scale = want.float().abs().max().item()
+        assert (packed(x).float() - want.float()).abs().max().item() <= BF16_BOUND * scale
+        block.experts.down_proj.mul_(-1.0)  # in place: the packed copy is stale, and rebuilt
+        block.shared_experts.down_proj.weight.mul_(-1.0)
+        assert (packed(x).float() + want.float()).abs().max().item() <= BF16_BOUND * scale
+    assert not GroupedMoE(make_block("deepseek-v3", routing_of("deepseek-v3", 0))).pack()
+    model = tiny_model("deepseek-v3")
+    assert install_moe(model, pack=True) == 1  # fp32 model: nothing packed
+    assert all(m.packed is None for m in model.modules() if isinstance(m, GroupedMoE))
+    with pytest.raises(ValueError, match="pack='yes'"):
+        install_moe(model, pack="yes")
