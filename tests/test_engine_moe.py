@@ -268,3 +268,22 @@ def test_packed_bf16_experts():
     assert all(m.packed is None for m in model.modules() if isinstance(m, GroupedMoE))
     with pytest.raises(ValueError, match="pack='yes'"):
         install_moe(model, pack="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traceable_for_compile(dtype):
+    """Under torch.compile(fullgraph=True) the block takes its sync-free path (offsets as a tensor,
+    transformers' opaque grouped-mm op): no graph break, the same output as eager."""
+    block = make_block("glm-4.7-flash", routing_of("glm-4.7-flash", 0), dtype=dtype)
+    grouped = GroupedMoE(block)
+    grouped.pack()
+    x = torch.randn(1, 21, WIDTHS["hidden_size"]).to(dtype)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = grouped(x)
+            got = torch.compile(grouped, backend="eager", fullgraph=True, dynamic=False)(x)
+    finally:
+        torch._dynamo.reset()
+    tol = TOL if dtype == torch.float32 else BF16_BOUND
+    assert (got.float() - want.float()).abs().max().item() <= tol * max(1.0, want.float().abs().max().item())

@@ -59,6 +59,8 @@ class GroupedMoE(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
         self.config = block.config
         self.gate = block.gate
         self.experts = block.experts
@@ -123,6 +125,8 @@ class GroupedMoE(nn.Module):
         n, k = index.shape
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, D], [E, D, I]
+        if torch.compiler.is_compiling():
+            return self._traced(x, weights, index).view(shape)
         packed = self.packed
         if packed is not None and packed["key"] != self._weights_key():
             self.pack()
@@ -161,6 +165,30 @@ class GroupedMoE(nn.Module):
         acc = torch.zeros(n, x.shape[1], dtype=torch.promote_types(y.dtype, scale.dtype), device=x.device)
         acc.index_add_(0, target, y * scale[:, None])
         return acc.to(x.dtype).view(shape)
+
+    def _traced(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The same sums with no host sync, for torch.compile(fullgraph=True): segment offsets stay a
+        tensor and the segments run in transformers' opaque grouped-mm op (one torch.mm per expert
+        segment); no prepacked weights."""
+        n, k = index.shape
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = torch.div(order, k, rounding_mode="floor")
+        grouped_mm = torch.ops.transformers.grouped_mm_fallback
+        h = grouped_mm(x.index_select(0, token), gate_up.transpose(1, 2), offsets)
+        routed = grouped_mm(experts._apply_gate(h), down.transpose(1, 2), offsets)
+        shared = x.new_empty(n, x.shape[1])
+        self._shared(x, shared, None)
+        y = torch.cat([shared, routed])
+        scale = torch.cat([weights.new_ones(n), weights.reshape(-1).index_select(0, order)])
+        target = torch.cat([torch.arange(n, device=x.device), token])
+        acc = torch.zeros(n, x.shape[1], dtype=torch.promote_types(y.dtype, scale.dtype), device=x.device)
+        return acc.index_add_(0, target, y * scale[:, None]).to(x.dtype)
 
 
 def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
