@@ -16,6 +16,7 @@ from torch import nn
 
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
+from mlakit.engine.moe import install_moe
 
 # rows of logits materialized at a time for prompt log-probabilities: 256 x 129,280 (DeepSeek-V3's
 # vocabulary) fp32 is 132 MB, where a 2,048-token chunk at once would be 1.06 GB
@@ -106,6 +107,7 @@ class ModelRunner:
             returns = type(original).__name__ == "GlmMoeDsaAttention"
             layer.self_attn = EngineAttention(mla, self.ctx, returns)
             self.layers.append(mla)
+        self.moe_blocks = install_moe(model)
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
 

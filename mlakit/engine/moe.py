@@ -1,0 +1,229 @@
+"""The engine's MoE: grouped expert GEMMs over tokens sorted by expert, in place of transformers' block.
+
+`install_moe(model)` swaps every MoE block of a served family (DeepSeek-V2, V3 / Kimi K2, V3.2, GLM-5
+with DSA, GLM-4.7-Flash; MiniCPM3 is dense and has none) for a `GroupedMoE` holding the block's own
+submodules under the same names (`gate`, `experts`, `shared_experts`): same parameters, same
+state_dict keys, no weight copied. One step of a block:
+
+- routing: the family's own router module is called (`mlp.gate(x)`), so V2's softmax with greedy /
+  group-limited greedy top-k, V3's and GLM's sigmoid + `e_score_correction_bias` group-limited
+  (`noaux_tc`) top-k, `norm_topk_prob` and `routed_scaling_factor` are exactly transformers';
+- the N x k (token, expert) pairs are sorted by expert (stable), the rows gathered once, and each
+  expert that has rows runs one GEMM for gate/up and one for down on its segment, straight on its
+  slice of the stacked `experts.gate_up_proj` [E, 2I, D] / `experts.down_proj` [E, D, I] (views, no
+  copy); an expert nobody picked costs nothing; the gate activation (`experts._apply_gate`) runs once
+  over all segments;
+- the shared experts run beside them: their rows go in front of the routed rows in the same output
+  buffer (weight 1), and one weighted scatter-add (fp32 accumulation, as transformers' grouped path
+  sums in fp32) gives every token shared + sum of its experts.
+
+benchmarks/moe.py measures it against transformers' experts implementations ("eager",
+"batched_mm", "grouped_mm"); docs/engine.md has the figures.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# transformers' MoE block classes the engine serves (all: gate -> (logits, weights, indices),
+# experts with stacked gate_up_proj / down_proj, shared_experts an MLP)
+MOE_BLOCKS = ("DeepseekV2Moe", "DeepseekV3MoE", "DeepseekV32MoE", "GlmMoeDsaMoE", "Glm4MoeLiteMoE")
+MOE_IMPLS = ("grouped", "transformers")
+# segments of at most this many rows use the prepacked bf16 weights (benchmarks/moe.py: no gain beyond)
+PACKED_ROWS = 128
+
+
+def _check_block(name: str, block: nn.Module) -> None:
+    """ValueError naming the module when a block is not the layout GroupedMoE computes."""
+    experts = getattr(block, "experts", None)
+    why = None
+    if not isinstance(getattr(block, "gate", None), nn.Module):
+        why = "no gate (router) module"
+    elif experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
+        why = "no experts module with stacked gate_up_proj / down_proj"
+    elif getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
+        why = "experts with biases or transposed weights"
+    elif not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
+        why = "experts without a gate or with a post-expert norm"
+    elif getattr(experts, "_is_expert_parallel", False):
+        why = "expert-parallel experts"
+    elif not isinstance(getattr(block, "shared_experts", None), nn.Module):
+        why = "no shared_experts module"
+    if why is not None:
+        raise ValueError(f"MoE block {name} ({type(block).__name__}): {why}; expected transformers' layout")
+
+
+class GroupedMoE(nn.Module):
+    """A transformers MoE block computed as grouped expert GEMMs (see the module docstring)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
+        self.config = block.config
+        self.gate = block.gate
+        self.experts = block.experts
+        self.shared_experts = block.shared_experts
+        self.__dict__["block"] = block  # transformers' own block, unregistered (no duplicate state_dict keys)
+        self.__dict__["packed"] = None  # see pack()
+
+    def pack(self) -> bool:
+        """Prepack every expert's bf16 weights in oneDNN's blocked layout (a second copy of the expert
+        weights, built once; bit-identical products, ~1.5-2x faster on the few rows a decode step gives
+        an expert). Only for bf16 on a CPU with oneDNN; False (nothing packed) otherwise. Repacked by
+        itself when the weights change in place or are replaced."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        mlp = self.shared_experts
+        ok = (
+            gate_up.dtype == torch.bfloat16
+            and gate_up.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
+        )
+        if not ok:
+            self.__dict__["packed"] = None
+            return False
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        with torch.no_grad():
+            shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.__dict__["packed"] = dict(
+                key=self._weights_key(),
+                gate_up=[reorder(w, None) for w in gate_up.detach()],
+                down=[reorder(w, None) for w in down.detach()],
+                shared_gate_up=reorder(shared, None),
+                shared_down=reorder(mlp.down_proj.weight.detach(), None),
+            )
+        return True
+
+    def _weights_key(self) -> tuple:
+        mlp = self.shared_experts
+        ts = (self.experts.gate_up_proj, self.experts.down_proj, mlp.gate_proj.weight, mlp.up_proj.weight)
+        # inference tensors keep no version counter: their storage and dtype only
+        ts = (*ts, mlp.down_proj.weight)
+        return tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in ts)
+
+    def _shared(self, x: torch.Tensor, out: torch.Tensor, packed: dict | None) -> None:
+        """The shared experts' MLP of every row of x, into out (their own forward when they have biases)."""
+        mlp = self.shared_experts
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if packed is not None and x.shape[0] <= PACKED_ROWS:
+            h = _packed_mm(x, packed["shared_gate_up"])
+            g, u = h.chunk(2, dim=-1)
+            out.copy_(_packed_mm(mlp.act_fn(g) * u, packed["shared_down"]))
+        elif gate.bias is not None or up.bias is not None or down.bias is not None:
+            out.copy_(mlp(x))
+        else:
+            h = mlp.act_fn(torch.mm(x, gate.weight.t())).mul_(torch.mm(x, up.weight.t()))
+            torch.mm(h, down.weight.t(), out=out)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, index = self.gate(x)  # [N, k] fp32, [N, k] long: the family's routing, as is
+        n, k = index.shape
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, D], [E, D, I]
+        if torch.compiler.is_compiling():
+            return self._traced(x, weights, index).view(shape)
+        packed = self.packed
+        if packed is not None and packed["key"] != self._weights_key():
+            self.pack()
+            packed = self.packed
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+        token = torch.div(order, k, rounding_mode="floor")
+        rows = x.index_select(0, token)  # [S, D], S = N * k, sorted by expert
+        s = rows.shape[0]
+        h = x.new_empty(s, gate_up.shape[1])
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                end = start + c
+                if packed is not None and c <= PACKED_ROWS:
+                    h[start:end] = _packed_mm(rows[start:end], packed["gate_up"][e])
+                else:
+                    torch.mm(rows[start:end], gate_up[e].t(), out=h[start:end])
+                start = end
+        act = experts._apply_gate(h)  # [S, I]: act(gate) * up, transformers' own gating
+        # rows [0, n): the shared experts of every token; rows [n, n + S): the routed pairs
+        y = x.new_empty(n + s, x.shape[1])
+        self._shared(x, y[:n], packed)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                end = start + c
+                if packed is not None and c <= PACKED_ROWS:
+                    y[n + start : n + end] = _packed_mm(act[start:end], packed["down"][e])
+                else:
+                    torch.mm(act[start:end], down[e].t(), out=y[n + start : n + end])
+                start = end
+        scale = torch.cat([weights.new_ones(n), weights.reshape(-1).index_select(0, order)])
+        target = torch.cat([torch.arange(n, device=x.device), token])
+        acc = torch.zeros(n, x.shape[1], dtype=torch.promote_types(y.dtype, scale.dtype), device=x.device)
+        acc.index_add_(0, target, y * scale[:, None])
+        return acc.to(x.dtype).view(shape)
+
+    def _traced(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The same sums with no host sync, for torch.compile(fullgraph=True): segment offsets stay a
+        tensor and the segments run in transformers' opaque grouped-mm op (one torch.mm per expert
+        segment); no prepacked weights."""
+        n, k = index.shape
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = torch.div(order, k, rounding_mode="floor")
+        grouped_mm = torch.ops.transformers.grouped_mm_fallback
+        h = grouped_mm(x.index_select(0, token), gate_up.transpose(1, 2), offsets)
+        routed = grouped_mm(experts._apply_gate(h), down.transpose(1, 2), offsets)
+        shared = x.new_empty(n, x.shape[1])
+        self._shared(x, shared, None)
+        y = torch.cat([shared, routed])
+        scale = torch.cat([weights.new_ones(n), weights.reshape(-1).index_select(0, order)])
+        target = torch.cat([torch.arange(n, device=x.device), token])
+        acc = torch.zeros(n, x.shape[1], dtype=torch.promote_types(y.dtype, scale.dtype), device=x.device)
+        return acc.index_add_(0, target, y * scale[:, None]).to(x.dtype)
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with W prepacked by oneDNN (GroupedMoE.pack)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def install_moe(model: nn.Module, impl: str = "grouped", pack: bool = True) -> int:
+    """Swap every served MoE block of `model` for a GroupedMoE (impl="grouped") or put transformers'
+    own blocks back (impl="transformers"); the number of blocks that run grouped afterwards (0 for a
+    dense family such as MiniCPM3, or for impl="transformers"). `pack`: prepack bf16 expert weights
+    for oneDNN where the CPU build has it (GroupedMoE.pack: a second copy of the expert weights; False
+    keeps one copy and runs every segment on torch.mm). Every block is checked before any is swapped:
+    a refusal is a ValueError and leaves the model as it was."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {', '.join(map(repr, MOE_IMPLS))}")
+    if not isinstance(pack, bool):
+        raise ValueError(f"pack={pack!r}: expected True or False")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    swaps = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if impl == "grouped" and type(child).__name__ in MOE_BLOCKS:
+                _check_block(name, child)
+                swaps.append((parent, child_name, GroupedMoE(child)))
+            elif impl == "transformers" and isinstance(child, GroupedMoE):
+                swaps.append((parent, child_name, child.block))
+    for parent, child_name, module in swaps:
+        setattr(parent, child_name, module)
+    grouped = [m for m in model.modules() if isinstance(m, GroupedMoE)]
+    for m in grouped:
+        if pack:
+            m.pack()
+        else:
+            m.__dict__["packed"] = None
+    return len(grouped)
