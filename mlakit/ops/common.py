@@ -59,16 +59,10 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
     Without AVX512-BF16/AMX, torch's bf16 GEMM on CPU runs a slow generic kernel (under 1 GFLOP/s
     measured on a 2-core AVX2 EPYC); converting a block to fp32 and using the fp32 GEMM is far faster.
     """
-    key = (dtype, device)
-    cd = _COMPUTE.get(key)
-    if cd is None:
-        cd = torch.float32 if torch.device(device).type == "cpu" and not _cpu_has_fast(dtype) else dtype
-        _COMPUTE[key] = cd
-    return cd
-
-
-# (dtype, device) -> compute dtype: a host fact asked several times per layer call
-_COMPUTE: dict = {}
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu" and not _cpu_has_fast(dtype):
+        return torch.float32
+    return dtype
 
 
 def core_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
