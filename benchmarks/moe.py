@@ -15,6 +15,12 @@ Times are the best of repeats taken round-robin over the implementations (at lea
     PYTHONPATH=. python benchmarks/moe.py [--tokens 1 8 32 128 2048] [--dtypes fp32 bf16]
         [--threads 1 2] [--families ...] [--impls eager batched_mm grouped_mm mlakit packed]
         [--budget 0.6] [--json out.json]
+    PYTHONPATH=. python benchmarks/moe.py --engine [--requests 32] [--prompt-len 128] [--out-len 32]
+
+`--engine`: the demo model (bf16 where the CPU has native bf16) in the engine instead, one run per MoE:
+GroupedMoE packed, GroupedMoE on torch.mm (what the runner installs), transformers' blocks (their
+default experts implementation): output tokens/s and model seconds of the same greedy workload, and
+how many requests' tokens equal the first run's.
 """
 
 from __future__ import annotations
@@ -118,6 +124,46 @@ def call(module, x, config=None, impl=None):
     return fn
 
 
+def engine(args) -> None:
+    import random
+
+    from mlakit.engine import LLM, SamplingParams
+    from mlakit.engine.moe import install_moe
+
+    llm = LLM("demo", max_num_seqs=args.requests, max_num_batched_tokens=2048)
+    eng = llm.llm_engine
+    model = eng.runner.model
+    print(
+        f"# {cpu_name()} ({isa()}); demo model, {eng.runner.dtype}, {torch.get_num_threads()} threads; "
+        f"{args.requests} requests of {args.prompt_len} tokens, {args.out_len} out, greedy; load average "
+        + ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 120000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    sp = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
+    first = None
+    for name, impl, pack in [
+        ("grouped, packed", "grouped", True),
+        ("grouped, torch.mm", "grouped", False),
+        ("transformers", "transformers", True),
+        ("grouped, packed", "grouped", True),  # again: the first run's warm-up is in the first figure
+    ]:
+        install_moe(model, impl="transformers")
+        install_moe(model, impl=impl, pack=pack)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm up
+        eng.timings = dict.fromkeys(eng.timings, 0.0)
+        t0 = time.perf_counter()
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        took = time.perf_counter() - t0
+        first = first or outs
+        same = sum(a == b for a, b in zip(outs, first, strict=True))
+        print(
+            f"{name:18s} {sum(map(len, outs)) / took:7.1f} output tok/s, {took:6.1f} s, model "
+            f"{eng.timings['model']:6.1f} s; {same}/{len(outs)} requests token-identical to the first run",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 2048])
@@ -128,7 +174,14 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.6, help="seconds of repeats per measurement")
     ap.add_argument("--batched-cap", type=float, default=1.0, help="GiB batched_mm may gather")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--engine", action="store_true", help="the demo model in the engine instead")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--out-len", type=int, default=32)
     args = ap.parse_args()
+    if args.engine:
+        torch.set_num_threads(args.threads[0])
+        return engine(args)
 
     print(
         f"# {cpu_name()} ({isa()}), {os.cpu_count()} cores visible; torch {torch.__version__}, "

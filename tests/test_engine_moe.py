@@ -268,6 +268,11 @@ def test_packed_bf16_experts():
     assert all(m.packed is None for m in model.modules() if isinstance(m, GroupedMoE))
     with pytest.raises(ValueError, match="pack='yes'"):
         install_moe(model, pack="yes")
+    model = tiny_model("deepseek-v3").to(torch.bfloat16)
+    install_moe(model)  # the default keeps one copy of the weights
+    assert all(m.packed is None for m in model.modules() if isinstance(m, GroupedMoE))
+    install_moe(model, pack=True)
+    assert all(m.packed is not None for m in model.modules() if isinstance(m, GroupedMoE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,8 +17,11 @@ state_dict keys, no weight copied. One step of a block:
   buffer (weight 1), and one weighted scatter-add (fp32 accumulation, as transformers' grouped path
   sums in fp32) gives every token shared + sum of its experts.
 
-benchmarks/moe.py measures it against transformers' experts implementations ("eager",
-"batched_mm", "grouped_mm"); docs/engine.md has the figures.
+With `install_moe(model, pack=True)` bf16 experts also get a oneDNN-prepacked copy of their weights
+for segments of at most PACKED_ROWS rows (GroupedMoE.pack). Under torch.compile the block takes a
+sync-free path (GroupedMoE._traced) so a fullgraph compiled step can hold it. benchmarks/moe.py
+measures it against transformers' experts implementations ("eager", "batched_mm", "grouped_mm", the
+last being transformers' default); docs/engine.md has the figures.
 """
 
 from __future__ import annotations
@@ -196,12 +199,13 @@ def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def install_moe(model: nn.Module, impl: str = "grouped", pack: bool = True) -> int:
+def install_moe(model: nn.Module, impl: str = "grouped", pack: bool = False) -> int:
     """Swap every served MoE block of `model` for a GroupedMoE (impl="grouped") or put transformers'
     own blocks back (impl="transformers"); the number of blocks that run grouped afterwards (0 for a
-    dense family such as MiniCPM3, or for impl="transformers"). `pack`: prepack bf16 expert weights
-    for oneDNN where the CPU build has it (GroupedMoE.pack: a second copy of the expert weights; False
-    keeps one copy and runs every segment on torch.mm). Every block is checked before any is swapped:
+    dense family such as MiniCPM3, or for impl="transformers"). `pack=True` also prepacks bf16 expert
+    weights for oneDNN where the CPU build has it (GroupedMoE.pack: a second copy of every expert's
+    weights, ~1.1-1.2x on the block at 32-128 tokens in benchmarks/moe.py); the default keeps one copy
+    and runs every segment on torch.mm. Every block is checked before any is swapped:
     a refusal is a ValueError and leaves the model as it was."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {', '.join(map(repr, MOE_IMPLS))}")
