@@ -1,8 +1,13 @@
 """The engine on the demo model against transformers' generate(): output tokens/s, time to first token
-with a shared prefix, how many 4K-token sequences fit in 2 GiB, and the host's share of a step.
+with a shared prefix, how many 4K-token sequences fit in 2 GiB, the host's share of a step, the decode
+TPOT while 2,048-token prompts arrive (`arrivals`) and the short workload at concurrency 8 and 32 (`short`).
 
     python benchmarks/engine_throughput.py            # full size (64 requests, 512 +- 256, 128 out)
     python benchmarks/engine_throughput.py --quick    # small sizes that finish in minutes on a CPU
+    python benchmarks/engine_throughput.py --parts arrivals,short --quick --threads 1
+
+Uses only the engine's public API (LLM, LLMEngine.add_request/step), so it runs A/B against an older tree:
+`PYTHONPATH=OLD_TREE python benchmarks/engine_throughput.py ...`.
 
 Prints the machine, the dtype (bf16 where the CPU has native bf16 matmuls, else fp32) and every figure;
 `--json FILE` saves them.
@@ -20,7 +25,7 @@ import time
 
 import torch
 
-from mlakit.engine import LLM, SamplingParams
+from mlakit.engine import LLM, LLMEngine, SamplingParams
 from mlakit.engine.demo import DEMO, demo_model
 from mlakit.engine.load import native_16bit
 
@@ -32,8 +37,15 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
     except (OSError, StopIteration):
         pass
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(x for x in f if x.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pass
     return {
         "cpu": cpu,
+        "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
         "threads": torch.get_num_threads(),
         "load": os.getloadavg(),
         "torch": torch.__version__,
@@ -157,6 +169,108 @@ def host_share(llm_kw, rows: int = 64, out_len: int = 16) -> dict:
     }
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def arrivals(llm_kw, tokens: int, conc: int = 8, prompt_len: int = 2048, arrival_out: int = 2) -> dict:
+    """The decode latency of `conc` running requests (32-token prompts, ignore_eos) over `tokens` tokens
+    each, first alone, then while `prompt_len`-token prompts (max_tokens `arrival_out`) arrive: a new one
+    each time the previous one has its first token (finished its prefill), so some prompt is always being
+    prefilled. Per step: time.perf_counter around step(); per request: the arrival time of each token;
+    inter-token latency (ITL) = the gap between a request's consecutive tokens."""
+    eng = LLMEngine("demo", **llm_kw)
+    ids = [f"d{i}" for i in range(conc)]
+    sp = SamplingParams(temperature=0, max_tokens=2 * tokens + 64, ignore_eos=True)
+    for rid, p in zip(ids, workload(conc, 32, 0, seed=4), strict=True):
+        eng.add_request(rid, p, sp)
+    seen, last = dict.fromkeys(ids, 0), {}
+
+    def step() -> tuple[float, list]:
+        t0 = time.perf_counter()
+        outs = eng.step()
+        now = time.perf_counter()
+        gaps = []
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if o.request_id in seen and n > seen[o.request_id]:
+                if o.request_id in last:
+                    gaps.append((o.request_id, now - last[o.request_id]))
+                seen[o.request_id], last[o.request_id] = n, now
+        return now - t0, outs, gaps
+
+    while min(seen.values()) < 4:  # the prompts, then a few decode steps (warm)
+        step()
+
+    def phase(arrive: bool) -> dict:
+        itl, steps, count, added = {r: [] for r in ids}, [], 0, 0
+        pending = None  # the arriving prompt still in prefill
+        prompts = workload(4 * tokens + 8, prompt_len, 0, seed=5 + arrive)
+        while min(len(v) for v in itl.values()) < tokens:
+            if arrive and pending is None:
+                pending = f"a{added}"
+                one = SamplingParams(temperature=0, max_tokens=arrival_out, ignore_eos=True)
+                eng.add_request(pending, prompts[added], one)
+                added += 1
+            took, outs, gaps = step()
+            steps.append(took)
+            for rid, g in gaps:
+                if len(itl[rid]) < tokens:
+                    itl[rid].append(g)
+            for o in outs:
+                if o.request_id == pending and o.outputs and o.outputs[0].token_ids:
+                    pending, count = None, count + 1
+        flat = [g for v in itl.values() for g in v]
+        return {
+            "steps": len(steps),
+            "step_mean_ms": 1e3 * sum(steps) / len(steps),
+            "step_median_ms": 1e3 * _quantile(steps, 0.5),
+            "itl_mean_ms": 1e3 * sum(flat) / len(flat),
+            "itl_median_ms": 1e3 * _quantile(flat, 0.5),
+            "itl_p90_ms": 1e3 * _quantile(flat, 0.9),
+            "prompts_added": added,
+            "prompts_prefilled": count,
+        }
+
+    alone = phase(False)
+    busy = phase(True)
+    return {
+        "concurrency": conc,
+        "tokens_per_request": tokens,
+        "arriving_prompt": prompt_len,
+        "max_num_batched_tokens": llm_kw["max_num_batched_tokens"],
+        "without": alone,
+        "with": busy,
+        "ratio_median": busy["itl_median_ms"] / alone["itl_median_ms"],
+        "ratio_p90": busy["itl_p90_ms"] / alone["itl_median_ms"],
+        "ratio_mean": busy["itl_mean_ms"] / alone["itl_mean_ms"],
+    }
+
+
+def short(llm_kw, conc: int, prompts: int, input_len: int = 128, output_len: int = 32) -> dict:
+    """Output tokens/s of `prompts` random `input_len`-token requests (`output_len` out, ignore_eos),
+    `conc` in flight at a time (a new one added as one finishes), one engine step at a time."""
+    eng = LLMEngine("demo", **llm_kw)
+    rng = random.Random(0)
+    queue = [[rng.randrange(1000, 100_000) for _ in range(input_len)] for _ in range(prompts)]
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    eng.add_request("warm", queue[0][:16], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    start, running, generated, i = time.perf_counter(), 0, 0, 0
+    while queue or eng.has_unfinished_requests():
+        while queue and running < conc:
+            eng.add_request(f"s{i}", queue.pop(), sp)
+            running, i = running + 1, i + 1
+        for out in eng.step():
+            if out.finished:
+                running -= 1
+                generated += len(out.outputs[0].token_ids)
+    took = time.perf_counter() - start
+    return {"concurrency": conc, "requests": prompts, "seconds": took, "tokens_per_s": generated / took}
+
+
 def memory(cache_bytes: int, seq_len: int) -> dict:
     """Concurrent seq_len-token sequences in `cache_bytes`: the engine's latent pages (bf16, fp8), the
     allocator counting whole pages, against per-head K/V at the same widths (bf16)."""
@@ -185,7 +299,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--parts", default="throughput,ttft,memory,host", help="which parts to run")
+    ap.add_argument(
+        "--parts",
+        default="throughput,ttft,memory,host",
+        help="which parts to run, of throughput,ttft,memory,host,arrivals,short",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="the engine's step budget (tokens)"
+    )
+    ap.add_argument("--arrival-tokens", type=int, default=None, help="arrivals: tokens per decoding request")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +319,8 @@ def main() -> None:
     res = {"machine": machine(), "dtype": str(dtype), "quick": q, "requests": n}
     res.update(prompt=f"{mean}+-{spread}", output_tokens=out_len)
     print(json.dumps(res))
-    llm_kw = dict(dtype=dtype, cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048)
+    llm_kw = dict(dtype=dtype, cache_memory="2GiB", max_num_seqs=64)
+    llm_kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     parts = args.parts.split(",")
     if "throughput" in parts:
         throughput(res, llm_kw, n, mean, spread, out_len, args.skip_hf, device, dtype)
@@ -213,6 +336,20 @@ def main() -> None:
     if "host" in parts:
         res["host_64"] = host_share(llm_kw)
         print("host share at 64 running requests", json.dumps(res["host_64"]))
+    if "arrivals" in parts:
+        r = res["arrivals"] = arrivals(llm_kw, args.arrival_tokens or (8 if q else 32))
+        print("arrivals", json.dumps(r))
+        a, b = r["without"], r["with"]
+        print(f"decode at concurrency {r['concurrency']}, budget {r['max_num_batched_tokens']}: step "
+              f"{a['step_median_ms']:.0f} ms median alone; ITL median {a['itl_median_ms']:.0f} ms alone, "
+              f"{b['itl_median_ms']:.0f} ms (p90 {b['itl_p90_ms']:.0f}) with {r['arriving_prompt']}-token "
+              f"prompts arriving ({b['prompts_prefilled']} prefilled): {r['ratio_median']:.2f}x median, "
+              f"{r['ratio_mean']:.2f}x mean (target <= 1.5x)")  # fmt: skip
+    if "short" in parts:
+        res["short"] = [short(llm_kw, c, c * (1 if q else 2)) for c in (8, 32)]
+        for r in res["short"]:
+            print(f"short 128 x 32 at concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} output tok/s",
+                  json.dumps(r))  # fmt: skip
     res["machine"]["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
