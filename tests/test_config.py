@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_config, yarn_scaling
+from support.common import tiny_config, yarn_scaling
 
 from mlakit import PRESETS, MLAConfig
 

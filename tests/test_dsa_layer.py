@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsa_helpers import HIDDEN, hf_attention, run_hf
-from helpers import assert_close, randn
+from support.common import assert_close, randn
+from support.dsa import HIDDEN, hf_attention, run_hf
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
@@ -139,7 +139,7 @@ def test_no_cache_prefill_past_k_is_sparse():
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
 def test_quantized_paged_cache_stays_close(quant):
-    from helpers import make_layer, tiny_config
+    from support.common import make_layer, tiny_config
 
     # fp8 tiles the latent by 128 values: widths of 128 here
     cfg = tiny_config(

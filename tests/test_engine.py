@@ -10,7 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import drain, prompts, reference, tiny_model  # noqa: E402
+from support.engine import drain, prompts, reference, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 from mlakit.engine.kv import page_hashes  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine_helpers import prompts, tiny_model  # noqa: E402
+from support.engine import prompts, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 

@@ -8,8 +8,8 @@ import re
 
 import pytest
 import torch
-from helpers import assert_close, make_layer, randn
-from protocol_helpers import CFG, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
+from support.cache import CFG, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
+from support.common import assert_close, make_layer, randn
 
 H = CFG.hidden_size
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randn
-from protocol_helpers import CFG, DSA, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
+from support.cache import CFG, DSA, KINDS, assert_same, make_cache, make_layers, run, state, step, visible
+from support.common import randn
 
 from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache

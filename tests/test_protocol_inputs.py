@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsa_helpers import hf_config
-from helpers import make_layer, randn
-from protocol_helpers import CFG, DSA
+from support.cache import CFG, DSA
+from support.common import make_layer, randn
+from support.dsa import hf_config
 
 from mlakit import LatentCache, MLAConfig
 from mlakit.cache.blocks import BlockPool

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsa_helpers import (
+from support.common import assert_close, assert_lse_close, randn
+from support.dsa import (
     FAMILIES,
     HIDDEN,
     assert_same_selection,
@@ -13,7 +14,6 @@ from dsa_helpers import (
     oracle_scores,
     run_hf,
 )
-from helpers import assert_close, assert_lse_close, randn
 
 from mlakit import MLAAttention, MLAConfig
 from mlakit.indexer import Indexer
@@ -252,7 +252,7 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("changes,match", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
 def test_bad_indexer_config_raises(changes, match):
-    from helpers import tiny_config
+    from support.common import tiny_config
 
     with pytest.raises(ValueError, match=match):
         tiny_config(**changes)
