@@ -340,7 +340,7 @@ def fuzz_protocol(rng: random.Random, n: int) -> Tally:
 
 
 def protocol_case(kind: str, call: str, args: list) -> bool:
-    from protocol_helpers import assert_same, make_cache, make_layers, run, state
+    from support.cache import assert_same, make_cache, make_layers, run, state
 
     cache, layers = make_cache(kind), make_layers()
     with torch.no_grad():

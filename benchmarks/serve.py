@@ -21,7 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from serve_helpers import free_port  # noqa: E402
+from support.serve import free_port  # noqa: E402
 
 FULL = dict(input_len=512, output_len=128, prefix_len=2048, per_client=2, hf_prompts=8)
 QUICK = dict(input_len=128, output_len=32, prefix_len=512, per_client=1, hf_prompts=4)

@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from serve_helpers import ThreadServer  # noqa: E402
+from support.serve import ThreadServer  # noqa: E402
 
 
 def main() -> None:

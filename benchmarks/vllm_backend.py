@@ -63,7 +63,7 @@ def machine() -> str:
 def write_tiny(folder: str) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
     sys.path.insert(0, str(ROOT / "tests"))
-    from serve_tiny import byte_tokenizer
+    from support.serve_tiny import byte_tokenizer
     from vllm_tiny import write_tiny_v3
 
     write_tiny_v3(folder, max_position_embeddings=4096)

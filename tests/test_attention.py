@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, make_layer, naive_mla, randn, rel_error, tiny_config, yarn_scaling
 from hypothesis import given
 from hypothesis import strategies as st
+from support.common import assert_close, make_layer, naive_mla, randn, rel_error, tiny_config, yarn_scaling
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlakit import LatentCache, MLAAttention, MLAConfig

@@ -7,8 +7,8 @@ import json
 import httpx
 import numpy as np
 import pytest
-from serve_helpers import FakeEngine, SamplingParams, ThreadServer, free_port
-from serve_tiny import byte_tokenizer
+from support.serve import FakeEngine, SamplingParams, ThreadServer, free_port
+from support.serve_tiny import byte_tokenizer
 
 from mlakit.cli import main
 from mlakit.serve.adapter import EngineAdapter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randn, tiny_config
+from support.common import randn, tiny_config
 
 from mlakit import LatentCache
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, make_layer, naive_mla, randn, tiny_config
+from support.cache import CFG as STEP_CFG
+from support.common import assert_close, make_layer, naive_mla, randn, tiny_config
 
 from mlakit import LatentCache, MLAAttention
+from mlakit.cache.blocks import BlockPool
 from mlakit.cache.paged import PagedLatentCache
 
 CFG = tiny_config()
@@ -215,3 +217,14 @@ def test_a_storage_dtype_is_refused_pointing_to_quant(kind, dtype):
     }[kind]
     with pytest.raises(ValueError, match=r"dtype must be a floating-point compute dtype.*quant='int8'"):
         make()
+
+
+def test_refusals_name_their_argument():
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        __import__("mlakit.hf", fromlist=["patch"]).patch(torch.nn.Linear(2, 2), strict="no")
+    with pytest.raises(ValueError, match="batch_size=1000000 x max_seq_len=1000000.*lower batch_size"):
+        LatentCache(STEP_CFG, 10**6, 10**6)
+    with pytest.raises(ValueError, match="num_blocks=1000000000.*lower num_blocks"):
+        PagedLatentCache(STEP_CFG, 10**9, 64, max_batch=1)
+    with pytest.raises(ValueError, match="BlockPool\\(num_blocks=10000000000.*lower num_blocks"):
+        BlockPool(10**10, 1, 1)

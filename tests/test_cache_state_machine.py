@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import torch
-from helpers import make_layer, randn, rel_error, tiny_config
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.common import make_layer, randn, rel_error, tiny_config
 
 from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache

@@ -1,5 +1,6 @@
-"""calibrate says how long it will take, shows progress, saves nothing that fails
-its own checks (and auto ignores a profile marked so); `mlakit check` picks its threads as bench does."""
+"""mlakit calibrate: it says how long it will take, shows progress, saves nothing that fails its own
+checks (the crossover monotone within noise; auto ignores a profile marked inconsistent); `mlakit check`
+picks its threads as bench does."""
 
 from __future__ import annotations
 
@@ -109,6 +110,21 @@ def test_monotone_check_on_the_issues_figures():
     assert cal.monotone_warnings(((256, 170.0), (1024, 171.0), (4096, 172.0)), 512) == []
     # near the largest count measured, "> max_new" is no jump
     assert cal.monotone_warnings(((8, 3.9), (32, None)), 4) == []
+
+
+@pytest.mark.parametrize(
+    ("points", "warned"),
+    [
+        ([(256, 135.0), (1024, 158.0)], False),
+        ([(256, 52.6), (1024, None)], True),
+        ([(256, 135.0), (1024, 40.0)], True),
+        ([(256, None), (1024, 40.0)], True),
+        ([(256, 30.0), (1024, 158.0)], True),
+    ],
+    ids=["model-like", "the-issue-52.6-then-none", "falls", "none-then-some", "jumps"],
+)
+def test_calibrate_monotone_within_noise(points, warned):
+    assert bool(cal.monotone_warnings(points, 512)) is warned
 
 
 def test_auto_ignores_a_profile_marked_inconsistent(tmp_path):

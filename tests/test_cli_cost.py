@@ -227,3 +227,26 @@ def test_counts_of_one_are_singular(argv, want, not_want, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert want in out and (not_want is None or not_want not in out)
+
+
+def test_cost_local_predicts_at_the_rate_mlakit_runs(monkeypatch, capsys):
+    import json
+
+    import torch
+
+    import mlakit.profile as prof
+    from mlakit.cli import main
+    from mlakit.cost import MachineProfile
+    from mlakit.ops import common
+    from mlakit.ops.common import compute_dtype
+
+    native = MachineProfile("local-cpu", {"fp32": 8.9e10, "bf16": 6.2e8}, 1.6e10)
+    monkeypatch.setattr(prof, "local_profile", lambda device="cpu", refresh=False: native)
+    # the profile is an AVX2-only CPU's (bf16 at 0.62 GFLOP/s): run as on one wherever this runs
+    monkeypatch.setitem(common._CPU_FAST, torch.bfloat16, False)
+    assert main(["cost", "--context", "1K", "--new", "128", "--machine", "local", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    native_bf16 = compute_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    want = native.peak_flops["bf16" if native_bf16 else "fp32"]
+    assert r["machine"]["peak_flops"]["bf16"] == want
+    assert r["totals"]["materialize"]["time_s"] < 10  # not minutes at 0.62 GFLOP/s

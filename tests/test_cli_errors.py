@@ -316,3 +316,13 @@ def test_check_time_limit_zero_is_no_limit():
     check_time_limit(1e12, 0, "x", "y", "--z")
     with pytest.raises(ValueError, match="over --max-minutes 1; lower --z"):
         check_time_limit(61, 1, "x", "y", "--z")
+
+
+def test_check_of_a_dsa_model_at_1m_tokens_refuses_in_one_line(capsys):
+    from mlakit.commands.check import WORKSPACE_TOKENS
+    from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
+
+    assert WORKSPACE_TOKENS == DEFAULT_WORKSPACE_TOKENS
+    assert main(["check", "--model", "deepseek-v3.2", "--prefill", "1M"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlakit check: error:") and "--prefill" in err and "\n" not in err

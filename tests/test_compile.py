@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch._dynamo as dynamo
-from helpers import assert_close, make_layer, randn
+from support.common import assert_close, make_layer, randn
 from torch._dynamo.testing import CompileCounter
 
 from mlakit import LatentCache, MLAConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, randn
+from support.common import assert_close, randn
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache

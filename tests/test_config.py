@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_config, yarn_scaling
+from support.common import tiny_config, yarn_scaling
 
 from mlakit import PRESETS, MLAConfig
 
@@ -348,3 +348,37 @@ def test_resolve(v3_folder):
 def test_to_dict_round_trips():
     cfg = MLAConfig.preset("kimi-k2")
     assert MLAConfig(**cfg.to_dict()) == cfg
+
+
+def test_from_hf_dsa_without_index_topk_is_sparse_with_transformers_default():
+    from support.dsa import hf_config
+
+    d = hf_config("v32").to_dict()
+    d.pop("index_topk")
+    theirs = type(hf_config("v32"))(**d)
+    cfg = MLAConfig.from_hf(d)
+    assert cfg.is_sparse and cfg.index_topk == theirs.index_topk == 2048
+
+
+def test_from_hf_mistral_large4_text_without_rms_norm_eps_takes_transformers_default():
+    from support.dsa import hf_config
+    from transformers import CONFIG_MAPPING
+
+    d = hf_config("v32").to_dict()
+    d.update(model_type="mistral_large4_text")
+    d.pop("rms_norm_eps")
+    assert MLAConfig.from_hf(d).rms_norm_eps == CONFIG_MAPPING["mistral_large4_text"]().rms_norm_eps
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "max_position_embeddings", "model_type"])
+def test_from_hf_reads_json_null_as_absent_as_documented(key):
+    from support.dsa import hf_config
+
+    from mlakit.hf.config import NULL_AS_ABSENT
+
+    d = hf_config("v32").to_dict()
+    d.pop("index_topk")  # a model_type-free DSA config: read without its family's indexer rope table
+    d["indexer_rope_interleave"] = False
+    nulled, dropped = dict(d, **{key: None}), {k: v for k, v in d.items() if k != key}
+    assert MLAConfig.from_hf(nulled) == MLAConfig.from_hf(dropped)
+    assert key in NULL_AS_ABSENT

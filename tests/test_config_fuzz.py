@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_config, yarn_scaling
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.common import tiny_config, yarn_scaling
 
 from mlakit import MLAConfig
 from mlakit.attention import MLAAttention

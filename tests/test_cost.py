@@ -434,3 +434,13 @@ def test_cost_imports_only_config_and_the_standard_library():
                     or name.split(".")[0] in allowed - {"mlakit"}
                 )
                 assert ok, f"{os.path.basename(path)} imports {name}"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(220.0, "220 s"), (1.25, "1.25 s"), (0.00123, "1.23 ms"), (4.5e-6, "4.5 µs"), (3e-9, "3 ns")],
+)
+def test_times_print_in_fitting_units(seconds, text):
+    from mlakit.cost import format_seconds
+
+    assert format_seconds(seconds) == text

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, assert_lse_close, tiny_config
+from support.common import assert_close, assert_lse_close, tiny_config
 
 from mlakit.linear import Linear
 from mlakit.ops import absorb, cpu_core, reference

@@ -1,13 +1,15 @@
 """MLAAttention on DSA configs against transformers' DeepseekV32Attention / GlmMoeDsaAttention (their own
 indexer, cache and eager attention), and the caches' indexer keys: contiguous and paged (NaN-poisoned
-pages, fp8), ragged batches, rollback of lengths, bad inputs."""
+pages, fp8), ragged batches, rollback of lengths, bad inputs, a NaN in one slot's hidden states poisoning
+that slot only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dsa_helpers import HIDDEN, hf_attention, run_hf
-from helpers import assert_close, randn
+from support.cache import DSA as STEP_DSA
+from support.common import assert_close, make_layer, randn
+from support.dsa import HIDDEN, hf_attention, run_hf
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
@@ -139,7 +141,7 @@ def test_no_cache_prefill_past_k_is_sparse():
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
 def test_quantized_paged_cache_stays_close(quant):
-    from helpers import make_layer, tiny_config
+    from support.common import make_layer, tiny_config
 
     # fp8 tiles the latent by 128 values: widths of 128 here
     cfg = tiny_config(
@@ -229,3 +231,25 @@ def test_hadamard_cuts_the_fp8_indexer_error():
     o_plain, o_rot = overlap(plain, exact), overlap(rotated, exact)
     print(f"selection overlap with fp64: fp8 {o_plain:.4f}, fp8 + Hadamard {o_rot:.4f}")
     assert o_rot > o_plain and o_rot > 0.95
+
+
+@pytest.mark.parametrize("mode", ["absorb", "materialize"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_nan_in_a_dsa_slot_makes_its_outputs_nan_from_then_on_and_nowhere_else(kind, mode):
+    layer = make_layer(STEP_DSA, seed=4)
+    cache = (
+        LatentCache(STEP_DSA, 2, 24)
+        if kind == "contiguous"
+        else PagedLatentCache(STEP_DSA, 12, 4, max_batch=2)
+    )
+    x = randn(2, 10, STEP_DSA.hidden_size, seed=5)
+    x[0, 3] = float("nan")
+    with torch.no_grad():
+        prefill, plan = layer.step(x[:, :8], cache, mode=mode)
+        assert plan.mode.startswith("sparse")
+        outs = [layer(x[:, t : t + 1], cache, mode=mode) for t in (8, 9)]
+    # NaN from that step on (docs/cache.md; the masked dense form may spread it to the step's earlier
+    # queries: 0 · NaN), never to another slot
+    assert torch.isnan(prefill[0, 3:]).all()
+    assert all(torch.isnan(o[0]).all() for o in outs), "the poisoned slot's decode outputs are finite"
+    assert torch.isfinite(prefill[1]).all() and all(torch.isfinite(o[1]).all() for o in outs)

@@ -10,7 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import FAMILIES, prompts, reference, tiny_model  # noqa: E402
+from support.engine import FAMILIES, prompts, reference, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, SamplingParams  # noqa: E402
 

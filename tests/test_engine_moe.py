@@ -186,7 +186,7 @@ def test_bf16_bound(family):
 
 
 def test_install_keeps_parameters_and_names():
-    from engine_helpers import tiny_model
+    from support.engine import tiny_model
 
     model = tiny_model("deepseek-v3", num_hidden_layers=3)
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
@@ -202,7 +202,7 @@ def test_install_keeps_parameters_and_names():
 
 
 def test_refusals_change_nothing():
-    from engine_helpers import tiny_model
+    from support.engine import tiny_model
 
     model = tiny_model("deepseek-v3", num_hidden_layers=3)
     with pytest.raises(ValueError, match=r"impl='fast'.*'grouped', 'transformers'"):
@@ -218,7 +218,7 @@ def test_refusals_change_nothing():
 
 pytest.importorskip("xxhash")
 
-from engine_helpers import FAMILIES, prompts, reference, tiny_model  # noqa: E402
+from support.engine import FAMILIES, prompts, reference, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, SamplingParams  # noqa: E402
 

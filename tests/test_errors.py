@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_unchanged, make_layer, randn, snapshot, tiny_config
+from support.common import assert_unchanged, make_layer, randn, snapshot, tiny_config
 
 from mlakit import LatentCache, MLAAttention
 

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import HF_MOE, HF_TINY  # noqa: E402
+from support.common import HF_MOE, HF_TINY  # noqa: E402
 
 import mlakit.hf as mhf  # noqa: E402
 from mlakit.hf.attention import PatchedMLAAttention, key_padding  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import tiny_config  # noqa: E402
+from support.common import tiny_config  # noqa: E402
 from test_hf import PAD, assert_close, prompts, tiny_model  # noqa: E402
 from torch._dynamo.testing import CompileCounter  # noqa: E402
 from transformers import CompileConfig, DynamicCache, StaticCache  # noqa: E402

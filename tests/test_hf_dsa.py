@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import HF_MOE, HF_TINY  # noqa: E402
+from support.common import HF_MOE, HF_TINY  # noqa: E402
 
 import mlakit.hf as mhf  # noqa: E402
 from mlakit.hf.dsa import PatchedDSAAttention  # noqa: E402

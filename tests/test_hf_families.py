@@ -19,7 +19,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import HF_MOE, HF_TINY  # noqa: E402
+from support.common import HF_MOE, HF_TINY  # noqa: E402
 
 import mlakit.hf as mhf  # noqa: E402
 from mlakit.attention import MLAAttention  # noqa: E402

@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from helpers import assert_close, assert_lse_close, randomize_  # noqa: E402
+from support.common import assert_close, assert_lse_close, randomize_  # noqa: E402
 
 import mlakit.kernels.paged as kernels_paged  # noqa: E402
 from mlakit import MLAAttention, MLAConfig, PagedLatentCache  # noqa: E402

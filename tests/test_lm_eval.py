@@ -19,8 +19,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'lm
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
-from serve_helpers import start_cli_server  # noqa: E402
-from serve_tiny import write_tiny_model  # noqa: E402
+from support.serve import start_cli_server  # noqa: E402
+from support.serve_tiny import write_tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, SamplingParams  # noqa: E402
 

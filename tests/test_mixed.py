@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import assert_close, make_layer, randn, small_config
+from support.cache import small_config
+from support.common import assert_close, make_layer, randn
 
 from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close, assert_lse_close
 from hypothesis import given
 from hypothesis import strategies as st
+from support.common import assert_close, assert_lse_close
 
 from mlakit.ops import absorb, materialize, merge, reference
 from mlakit.ops import common as ops_common

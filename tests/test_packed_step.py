@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close, make_layer, randn
-from protocol_helpers import CFG, DSA
+from support.cache import CFG, DSA
+from support.common import assert_close, make_layer, randn
 
 from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache

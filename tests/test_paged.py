@@ -1,12 +1,16 @@
 """PagedLatentCache: paged == contiguous through appends, decodes, releases and reuse, with shuffled free
 lists, NaN-poisoned pages and sentinel block-table entries; a pool shared with an engine (`adopt`);
-edge cases; errors. The pool itself: test_block_pool.py."""
+edge cases; errors; a non-finite hidden state poisoning only its own slot over every page format; the
+paged kernel's checks of the block table and lengths it would trust. The pool itself: test_block_pool.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import assert_close, make_layer, randn, small_config
+from support.cache import CFG as STEP_CFG
+from support.cache import DSA as STEP_DSA
+from support.cache import small_config
+from support.common import assert_close, make_layer, randn
 
 from mlakit import LatentCache, MLAConfig, PagedLatentCache
 from mlakit.cache.blocks import BlockPool
@@ -411,3 +415,66 @@ def test_absorb_chunked_over_pages_equals_absorb_over_the_gathered_context(chunk
     assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse))
     seen = torch.isfinite(want_lse)
     assert_close("lse", got_lse[seen], want_lse[seen])
+
+
+# latent 128: fp8 pages need whole groups of 128 latent values
+POISON_CFGS = {"dense": STEP_CFG.replace(kv_lora_rank=128), "dsa": STEP_DSA.replace(kv_lora_rank=128)}
+
+
+@pytest.mark.parametrize("mode", ["absorb", "materialize"])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8"], ids=["unquantized", "fp8", "int8"])
+@pytest.mark.parametrize("family", ["dense", "dsa"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_hidden_poisons_its_slot_over_every_page_format(value, family, quant, mode):
+    cfg = POISON_CFGS[family]
+    layer = make_layer(cfg, seed=4)
+    caches = [PagedLatentCache(cfg, 16, 4, max_batch=2, quant=quant) for _ in range(2)]
+    x = randn(2, 27, cfg.hidden_size, seed=5)
+    poisoned = x.clone()
+    poisoned[0, 2, 3] = float(value)
+    runs = []
+    with torch.no_grad():
+        for cache, h in zip(caches, (poisoned, x), strict=True):
+            outs = [layer(h[:, :24], cache, mode=mode)]
+            steps = [layer.step(h[:, t : t + 1], cache, mode=mode) for t in (24, 25, 26)]
+            outs += [out for out, _ in steps]
+            runs.append(outs)
+    assert steps[-1][1].mode.startswith("sparse") == (family == "dsa")
+    got, clean = runs
+    # the poisoned slot: non-finite from the poisoned token on, in the prefill and every decode step
+    assert not torch.isfinite(got[0][0, 2:]).any()
+    assert all(not torch.isfinite(o[0]).any() for o in got[1:]), (
+        "a decode step of the poisoned slot is finite"
+    )
+    # the other slot: bit for bit what it is beside a clean slot
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(got, clean, strict=True))
+
+
+def paged_inputs():
+    cache = PagedLatentCache(STEP_CFG, 8, 4, max_batch=2)
+    q_nope, q_pe = torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 2, 4)
+    return cache, (q_nope, q_pe, cache), (torch.zeros(2, 8, 16), torch.zeros(2, 6, 16), 0.3)
+
+
+@pytest.mark.parametrize(
+    "table, lens, match",
+    [
+        ([[0, 1], [2, BLOCK_SENTINEL]], [8, 5], "block_table names pages \\[2147483647\\]"),
+        ([[0, -1], [2, 3]], [8, 5], "block_table names pages \\[-1\\]"),
+        ([[0, 9], [2, 3]], [8, 5], "block_table names pages \\[9\\]"),
+        ([[0, 1], [2, 3]], [9, 5], "kv_lens \\[9\\] of rows \\[0\\] outside 0..8"),
+        ([[0, 1], [2, 3]], [8, -1], "kv_lens \\[-1\\]"),
+    ],
+    ids=["sentinel", "negative", "past-pool", "past-table", "negative-len"],
+)
+def test_absorb_paged_checks_the_table_and_lengths_it_would_trust(table, lens, match):
+    from mlakit.kernels.checks import check_table
+    from mlakit.kernels.paged import absorb_paged
+
+    _, (q_nope, q_pe, cache), (w_uk, w_uv, scale) = paged_inputs()
+    table, lens = torch.tensor(table, dtype=torch.int32), torch.tensor(lens)
+    with pytest.raises(ValueError, match=match):
+        absorb_paged(q_nope, q_pe, cache, table, lens, w_uk, w_uv, scale)
+    with pytest.raises(ValueError, match=match):
+        check_table(table, lens, 8, 4)
+    check_table(torch.tensor([[0, 1], [2, BLOCK_SENTINEL]]), torch.tensor([8, 4]), 8, 4)  # past: unread

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, make_layer, naive_mla, randn
+from support.common import assert_close, make_layer, naive_mla, randn
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.cache.paged import PagedLatentCache

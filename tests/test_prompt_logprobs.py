@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import drain, prompts, tiny_model  # noqa: E402
+from support.engine import drain, prompts, tiny_model  # noqa: E402
 
 from mlakit.engine import LLMEngine, SamplingParams, scheduler  # noqa: E402
 from mlakit.engine import runner as runner_mod  # noqa: E402

@@ -16,8 +16,8 @@ import re
 
 import pytest
 import torch
-from helpers import make_layer, naive_mla, randn
-from protocol_helpers import CFG, MAX_LEN, SLOTS, assert_same, make_cache, make_layers, state, visible
+from support.cache import CFG, MAX_LEN, SLOTS, assert_same, make_cache, make_layers, state, visible
+from support.common import make_layer, naive_mla, randn
 
 OPS = 150
 BAD = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import assert_close, make_layer, quant_config, randn, rel_error
+from support.cache import quant_config
+from support.common import assert_close, make_layer, randn, rel_error
 
 from mlakit import MLAConfig
 from mlakit.cache.paged import PagedLatentCache

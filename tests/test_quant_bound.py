@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
-from helpers import make_layer, randn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.common import make_layer, randn
 
 from mlakit.attention import MLAAttention
 from mlakit.cache.paged import PagedLatentCache

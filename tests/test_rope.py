@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, randn, tiny_config, yarn_scaling
+from support.common import assert_close, randn, tiny_config, yarn_scaling
 
 from mlakit.config import MLAConfig
 from mlakit.rope import RotaryTable, apply_rope, attention_factor, inv_freq

@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xxhash")
 
-from engine_helpers import tiny_model  # noqa: E402
-from serve_tiny import write_tiny_model  # noqa: E402
+from support.engine import tiny_model  # noqa: E402
+from support.serve_tiny import write_tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 from mlakit.engine.sampler import process  # noqa: E402

@@ -1,4 +1,4 @@
-"""mlakit serve's HTTP layer against a fake engine (tests/serve_helpers.py) on 127.0.0.1: the OpenAI
+"""mlakit serve's HTTP layer against a fake engine (tests/support/serve.py) on 127.0.0.1: the OpenAI
 shapes, streaming, n, stop, usage, logprobs, every error with its status and `param`, the API key, the
 queue limit, disconnects aborting, and the engine touched only by its loop thread."""
 
@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import FakeEngine, SamplingParams, ThreadServer, fake_completion
+from support.serve import FakeEngine, SamplingParams, ThreadServer, fake_completion
 
 from mlakit.serve.adapter import EngineAdapter
 from mlakit.serve.app import build_app
@@ -358,7 +358,7 @@ def test_a_failing_step_is_500_for_its_requests_and_the_server_lives_on():
 
 
 def test_a_bad_model_is_one_line(capsys, tmp_path):
-    from serve_helpers import free_port
+    from support.serve import free_port
 
     from mlakit.cli import main
 
@@ -368,7 +368,7 @@ def test_a_bad_model_is_one_line(capsys, tmp_path):
 
 
 def test_chat_uses_the_tokenizers_template_when_it_has_one():
-    from serve_tiny import byte_tokenizer
+    from support.serve_tiny import byte_tokenizer
 
     tok = byte_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"

@@ -14,8 +14,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("xxhash")
 
-from serve_helpers import ThreadServer  # noqa: E402
-from serve_tiny import write_tiny_model  # noqa: E402
+from support.serve import ThreadServer  # noqa: E402
+from support.serve_tiny import write_tiny_model  # noqa: E402
 
 ATOL = 1e-4
 

@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import start_cli_server
-from serve_tiny import write_tiny_model
+from support.serve import start_cli_server
+from support.serve_tiny import write_tiny_model
 
 from mlakit.engine import LLM, SamplingParams
 

@@ -13,8 +13,8 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import CharTokenizer, FakeEngine, SamplingParams, ThreadServer, start_cli_server
-from serve_tiny import write_tiny_model
+from support.serve import CharTokenizer, FakeEngine, SamplingParams, ThreadServer, start_cli_server
+from support.serve_tiny import write_tiny_model
 
 from mlakit.engine import LLM
 from mlakit.engine import SamplingParams as RealParams
@@ -300,7 +300,7 @@ def test_one_prompt_past_the_context_queues_none_of_the_batch(tiny):
 
 @pytest.mark.parametrize("tokenizer,chars", [("byte", 5), ("char", 128)], ids=["byte-level", "no-vocab"])
 def test_characters_per_token_bound(tokenizer, chars):
-    from serve_tiny import byte_tokenizer
+    from support.serve_tiny import byte_tokenizer
 
     from mlakit.serve.guard import default_request_bytes, longest_token_chars
 

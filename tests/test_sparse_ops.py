@@ -1,11 +1,13 @@
 """DSA ops: index scores against an fp64 oracle and transformers' indexers, the tie rule, the rope
-layout of each family, and sparse attention against transformers' DSA attention given its indices."""
+layout of each family, and sparse attention against transformers' DSA attention given its indices; NaN
+ranked first; top-k scoring a block of queries and sparse materialize a block of keys at a time."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dsa_helpers import (
+from support.common import assert_close, assert_lse_close, randn
+from support.dsa import (
     FAMILIES,
     HIDDEN,
     assert_same_selection,
@@ -13,7 +15,6 @@ from dsa_helpers import (
     oracle_scores,
     run_hf,
 )
-from helpers import assert_close, assert_lse_close, randn
 
 from mlakit import MLAAttention, MLAConfig
 from mlakit.indexer import Indexer
@@ -252,7 +253,7 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("changes,match", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
 def test_bad_indexer_config_raises(changes, match):
-    from helpers import tiny_config
+    from support.common import tiny_config
 
     with pytest.raises(ValueError, match=match):
         tiny_config(**changes)
@@ -349,3 +350,64 @@ def test_index_topk_in_blocks_is_bit_identical(monkeypatch):
     assert not scores.isnan().any() or torch.equal(scores.isnan(), index_scores(q, w, k, lens).isnan())
     monkeypatch.setattr(common, "SCORE_BUDGET", 2 * 50 * 3 * 3)  # blocks of 3 queries
     assert torch.equal(index_topk(q, w, k, lens, 9, max_keys=50), want)
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_index_topk_scores_a_block_of_queries_at_a_time_and_selects_the_same(monkeypatch):
+    from mlakit.ops import common
+
+    batch, new, keys, heads, dim, k = 2, 200, 256, 3, 8, 7
+    q, w = randn(batch, new, heads, dim, seed=1), randn(batch, new, heads, seed=2)
+    k_idx, kv_lens = randn(batch, keys, dim, seed=3), torch.tensor([230, 256])
+    w[0, 5, :] = 0  # a query whose scores all tie at 0: the tie rule decides
+    want = select_topk(index_scores(q, w, k_idx, kv_lens, max_keys=keys), k)
+    monkeypatch.setattr(common, "SCORE_BUDGET", batch * 16 * keys)  # 16 queries a block
+    probe = LargestTensor()
+    with probe:
+        got = index_topk(q, w, k_idx, kv_lens, k, max_keys=keys)
+    assert torch.equal(got, want)
+    print(f"largest tensor {probe.numel:,} elements, [B, S, T] {batch * new * keys:,}")
+    assert probe.numel <= batch * 16 * keys * heads  # the block's dot products, never [B, S, T]
+
+
+def test_select_topk_ranks_nan_first():
+    scores = torch.tensor([[[0.5, float("nan"), 2.0, -float("inf"), 1.0]]])
+    assert select_topk(scores, 2).tolist() == [[[1, 2]]]
+
+
+def test_sparse_materialize_holds_one_key_block_of_the_selection_at_a_time():
+    from mlakit.ops.sparse import sparse_absorb, sparse_materialize
+
+    new, keys, k = 96, 256, 8
+    case = dict(
+        q_nope=randn(1, new, 2, 8, seed=20),
+        q_pe=randn(1, new, 2, 4, seed=21),
+        c_kv=randn(1, keys, 16, seed=22),
+        k_pe=randn(1, keys, 4, seed=23),
+        kv_lens=torch.tensor([keys]),
+        w_uk=randn(2, 8, 16, seed=24),
+        w_uv=randn(2, 6, 16, seed=25),
+        scale=0.3,
+    )
+    scores = index_scores(randn(1, new, 2, 8, seed=26), randn(1, new, 2, seed=27), randn(1, keys, 8, seed=28),
+                          case["kv_lens"])  # fmt: skip
+    idx = select_topk(scores, k)
+    probe = LargestTensor()
+    with probe:
+        got, _ = sparse_materialize(**case, indices=idx, workspace_tokens=32)
+    want, _ = sparse_absorb(**case, indices=idx)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    print(f"largest tensor {probe.numel:,}, [S, T] {new * keys:,}")
+    assert probe.numel < new * keys // 2

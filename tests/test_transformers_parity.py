@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close, randn, randomize_, yarn_scaling
+from support.common import assert_close, randn, randomize_, yarn_scaling
 
 from mlakit import LatentCache, MLAAttention, MLAConfig
 from mlakit.rope import attention_factor, inv_freq

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.common import assert_close
+from support.v4 import HFRunner, hf_config, pair
 
 from mlakit.v4 import V4Cache
-from tests.helpers import assert_close
-from tests.v4_helpers import HFRunner, hf_config, pair
 
 # window 8, CSA every 4, HCA every 16: 300 steps cross each boundary many times
 CFG = hf_config()

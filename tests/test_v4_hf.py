@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.common import assert_close
+from support.v4 import hf_config
 
 import mlakit.hf as mhf
 from mlakit.hf.v4 import PatchedV4Attention
-from tests.helpers import assert_close
-from tests.v4_helpers import hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.common import assert_close
+from support.v4 import TYPES, HFRunner, hf_config, pair
 
 from mlakit.v4 import V4Attention, V4Config
 from mlakit.v4.reference import v4_reference
-from tests.helpers import assert_close
-from tests.v4_helpers import TYPES, HFRunner, hf_config, pair
 
 CFG = hf_config()
 

@@ -10,9 +10,9 @@ import re
 
 import pytest
 import torch
+from support.v4 import assert_v4_same, hf_config, pair, v4_state
 
 from mlakit.v4 import V4Attention, V4Cache
-from tests.v4_helpers import assert_v4_same, hf_config, pair, v4_state
 
 # window 8, CSA every 4, HCA every 16: layers 0 (window), 1 (CSA + indexer), 2 (HCA)
 CFG = hf_config()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.common import assert_close
+from support.v4 import hf_config
 
 import mlakit.hf as mhf
 from mlakit.v4 import V4Attention, V4Cache, V4Config
-from tests.helpers import assert_close
-from tests.v4_helpers import hf_config
 
 transformers = pytest.importorskip("transformers")
 CFG = hf_config()

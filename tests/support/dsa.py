@@ -4,9 +4,9 @@ the margin rule for comparing selections."""
 from __future__ import annotations
 
 import torch
-from helpers import randomize_
 
 from mlakit import MLAConfig
+from support.common import randomize_
 
 transformers = __import__("pytest").importorskip("transformers")
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32  # noqa: E402

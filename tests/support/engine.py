@@ -6,7 +6,8 @@ import copy
 
 import torch
 import transformers
-from helpers import HF_MOE, HF_TINY
+
+from support.common import HF_MOE, HF_TINY
 
 MOE = dict(HF_MOE, n_group=1, topk_group=1, first_k_dense_replace=1)
 DSA = dict(MOE, index_n_heads=8, index_head_dim=16, index_topk=32)

@@ -1,15 +1,78 @@
-"""Shared by the step-protocol tests: the tiny setup (hidden 32, 2 heads, latent 16, rope 4; two
-layers; a contiguous cache of 3 slots x 32 tokens or a paged one of 24 pages of 4), state snapshots
-compared bit for bit, and the visible latents of every slot and layer."""
+"""Helpers of the cache tests: small configs and a tensor-storage peak meter; and the step protocol's
+tiny setup (hidden 32, 2 heads, latent 16, rope 4; two layers; a contiguous cache of 3 slots x 32 tokens
+or a paged one of 24 pages of 4), state snapshots compared bit for bit, and the visible latents of every
+slot and layer.
+
+assert_close, seeded layers and inputs come from support.common.
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from helpers import make_layer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from mlakit import LatentCache, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
+from support.common import make_layer
 
+
+def small_config(**changes) -> MLAConfig:
+    """Unequal widths (nope 6 != v 5, L 20 != D 40) so that a swapped axis cannot go unnoticed."""
+    base = dict(
+        hidden_size=40,
+        num_heads=3,
+        q_lora_rank=24,
+        kv_lora_rank=20,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        rope_interleave=True,
+    )
+    base.update(changes)
+    return MLAConfig(**base)
+
+
+def quant_config(**changes) -> MLAConfig:
+    """fp8 needs the latent in groups of 128: two groups, rope 16 wide."""
+    return small_config(kv_lora_rank=256, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=12, **changes)
+
+
+class PeakMemory(TorchDispatchMode):
+    """Bytes of tensor storage created inside the block and still alive, and its peak.
+
+    A tracemalloc for torch: every storage an op creates is counted until it is freed (weakref
+    finalizer). Storages created before the block (the cache, the weights) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen:
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+# the step protocol's tiny setup
 CFG = MLAConfig(
     hidden_size=32,
     num_heads=2,
