@@ -16,23 +16,10 @@ from torch.utils._pytree import tree_flatten
 
 from mlakit import LatentCache, MLAConfig
 from mlakit.cache.paged import PagedLatentCache
-from support.common import make_layer
+from support.common import make_layer, tiny_config
 
-
-def small_config(**changes) -> MLAConfig:
-    """Unequal widths (nope 6 != v 5, L 20 != D 40) so that a swapped axis cannot go unnoticed."""
-    base = dict(
-        hidden_size=40,
-        num_heads=3,
-        q_lora_rank=24,
-        kv_lora_rank=20,
-        qk_nope_head_dim=6,
-        qk_rope_head_dim=4,
-        v_head_dim=5,
-        rope_interleave=True,
-    )
-    base.update(changes)
-    return MLAConfig(**base)
+# the same odd, unequal widths the layer tests use (nope 6 != v 5, L 20 != D 40)
+small_config = tiny_config
 
 
 def quant_config(**changes) -> MLAConfig:
