@@ -36,10 +36,10 @@ if plugin.vllm_version() is None:
     )
 
 import torch  # noqa: E402
+from vllm_env import tree_metadata, tree_pythonpath  # noqa: E402
 from vllm_tiny import prompts, write_tiny_v3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 DRIVER_TIMEOUT_S = 420
 ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
@@ -49,7 +49,6 @@ ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "MLAKIT_VLLM_CHECK": "1",
-    "PYTHONPATH": os.pathsep.join((str(ROOT), str(HERE))),
 }
 
 PROMPTS = prompts(5, [1, 7, 130, 300, 600], seed=1)
@@ -57,15 +56,26 @@ PROMPTS = prompts(5, [1, 7, 130, 300, 600], seed=1)
 SHARED = [PROMPTS[4][:512] + t for t in prompts(2, [40, 88], seed=2)]
 
 
-def drive(model: str, runs: dict, **env) -> dict:
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """This tree's entry points, first on each vLLM process's path (vllm_env.py says why)."""
+    return tree_metadata(tmp_path_factory.mktemp("tree-metadata"))
+
+
+def environment(tree: Path, **env) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    environ.update(ENV, PYTHONPATH=tree_pythonpath(tree), **env)
+    return environ
+
+
+def drive(model: str, tree: Path, runs: dict, **env) -> dict:
     folder = Path(model).parent
     spec, out = folder / f"spec-{os.getpid()}.json", folder / f"out-{os.getpid()}.json"
     spec.write_text(json.dumps({"model": model, "runs": runs}))
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
-    environ.update(ENV, **env)
     done = subprocess.run(
         [sys.executable, str(HERE / "vllm_driver.py"), str(spec), str(out)],
-        env=environ,
+        env=environment(tree, **env),
+        cwd=tree,
         capture_output=True,
         text=True,
         timeout=DRIVER_TIMEOUT_S,
@@ -82,10 +92,11 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(model) -> dict:
+def runs(model, tree) -> dict:
     common = {"batches": [PROMPTS, SHARED], "prompt_logprobs": [True, False]}
     return drive(
         model,
+        tree,
         {
             "cpu_mla": {"backend": "CPU_MLA", **common},
             "custom": {"backend": "CUSTOM", **common},
@@ -189,17 +200,21 @@ def test_fp8_cache_refused_by_name(runs):
     assert "--kv-cache-dtype fp8" in runs["fp8"]["error"]
 
 
-def test_switch_off_gives_vllms_own_platform(model):
+def test_switch_off_gives_vllms_own_platform(tree):
     code = (
         "from vllm.platforms import current_platform; from vllm.plugins import load_general_plugins;"
         "load_general_plugins(); from vllm.v1.attention.backends.registry import AttentionBackendEnum as E;"
         "print(type(current_platform).__name__, E.CUSTOM.is_overridden())"
     )
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     for switch, want in (("1", "MlakitCpuPlatform True"), ("0", "CpuPlatform False")):
-        environ.update(ENV, MLAKIT_VLLM_BACKEND=switch)
         out = subprocess.run(
-            [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120, check=True
+            [sys.executable, "-c", code],
+            env=environment(tree, MLAKIT_VLLM_BACKEND=switch),
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
         )
         assert out.stdout.strip().splitlines()[-1] == want
 
@@ -209,9 +224,10 @@ def test_switch_off_gives_vllms_own_platform(model):
     "(near-tie from the all-reduce order, or a real gap: not yet diagnosed)",
     strict=False,
 )
-def test_tensor_parallel_two_ranks(model, runs):
+def test_tensor_parallel_two_ranks(model, tree, runs):
     tp = drive(
         model,
+        tree,
         {"tp2": {"backend": "CUSTOM", "tp": 2, "batches": [PROMPTS]}},
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
         VLLM_CPU_OMP_THREADS_BIND="0|1",

