@@ -308,7 +308,16 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=2048, help="the engine's step budget (tokens)"
     )
     ap.add_argument("--arrival-tokens", type=int, default=None, help="arrivals: tokens per decoding request")
+    ap.add_argument(
+        "--plain-weights",
+        action="store_true",
+        help="bf16 GEMMs on the plain weights (no oneDNN prepacking: mlakit/engine/packed.py), for A/B",
+    )
     args = ap.parse_args()
+    if args.plain_weights:
+        import mlakit.engine.runner
+
+        mlakit.engine.runner.PACK = False
     if args.threads:
         torch.set_num_threads(args.threads)
     q = args.quick
@@ -317,6 +326,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = native_16bit(device)
     res = {"machine": machine(), "dtype": str(dtype), "quick": q, "requests": n}
+    res["packed_weights"] = not args.plain_weights
     res.update(prompt=f"{mean}+-{spread}", output_tokens=out_len)
     print(json.dumps(res))
     llm_kw = dict(dtype=dtype, cache_memory="2GiB", max_num_seqs=64)

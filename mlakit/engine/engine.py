@@ -314,6 +314,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_preemptions=self.num_preemptions,
+            packed_modules=self.runner.packed_modules,
         )
 
     def check(self) -> None:

@@ -29,12 +29,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mlakit.engine.packed import packed_linear, prepack
+from mlakit.linear import Linear
+
 # transformers' MoE block classes the engine serves (all: gate -> (logits, weights, indices),
 # experts with stacked gate_up_proj / down_proj, shared_experts an MLP)
 MOE_BLOCKS = ("DeepseekV2Moe", "DeepseekV3MoE", "DeepseekV32MoE", "GlmMoeDsaMoE", "Glm4MoeLiteMoE")
 MOE_IMPLS = ("grouped", "transformers")
 # segments of at most this many rows use the prepacked bf16 weights (benchmarks/moe.py: no gain beyond)
 PACKED_ROWS = 128
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def _check_block(name: str, block: nn.Module) -> None:
@@ -70,12 +74,20 @@ class GroupedMoE(nn.Module):
         self.shared_experts = block.shared_experts
         self.__dict__["block"] = block  # transformers' own block, unregistered (no duplicate state_dict keys)
         self.__dict__["packed"] = None  # see pack()
+        self.__dict__["released"] = False  # pack(release=True): the plain weights are meta tensors
+        self.__dict__["upcast"] = None  # with released weights: rows from which segments run in fp32
 
-    def pack(self) -> bool:
-        """Prepack every expert's bf16 weights in oneDNN's blocked layout (a second copy of the expert
-        weights, built once; bit-identical products, ~1.5-2x faster on the few rows a decode step gives
-        an expert). Only for bf16 on a CPU with oneDNN; False (nothing packed) otherwise. Repacked by
-        itself when the weights change in place or are replaced."""
+    def pack(self, release: bool = False, upcast: int | None = None) -> bool:
+        """Prepack every expert's bf16 weights in oneDNN's blocked layout (built once; bit-identical
+        products, ~1.5-2x faster on the few rows a decode step gives an expert). Only for bf16 on a CPU
+        with oneDNN; False (nothing packed) otherwise. Without `release` the packed weights are a second
+        copy, repacked by themselves when the weights change in place or are replaced, and segments
+        over PACKED_ROWS rows keep torch.mm. With `release=True` (the engine's eager steps) the packed
+        weights replace the plain ones, which become meta tensors of the same shapes (memory neutral;
+        every segment runs packed; `unpack()` restores them; torch.compile needs them plain). `upcast`:
+        released segments of at least that many rows run through fp32 (mlakit.engine.packed.upcast_rows)."""
+        if self.released:
+            return True
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         mlp = self.shared_experts
         ok = (
@@ -83,22 +95,60 @@ class GroupedMoE(nn.Module):
             and gate_up.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
+            and all(type(getattr(mlp, n)) in (nn.Linear, Linear) for n in MLP_PROJ)
+            and all(getattr(mlp, n).bias is None for n in MLP_PROJ)
         )
         if not ok:
             self.__dict__["packed"] = None
             return False
-        reorder = torch.ops.mkldnn._reorder_linear_weight
         with torch.no_grad():
             shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             self.__dict__["packed"] = dict(
                 key=self._weights_key(),
-                gate_up=[reorder(w, None) for w in gate_up.detach()],
-                down=[reorder(w, None) for w in down.detach()],
-                shared_gate_up=reorder(shared, None),
-                shared_down=reorder(mlp.down_proj.weight.detach(), None),
+                gate_up=[prepack(w) for w in gate_up.detach()],
+                down=[prepack(w) for w in down.detach()],
+                shared_gate_up=prepack(shared),
+                shared_down=prepack(mlp.down_proj.weight),
             )
+        if release:
+            for owner, name in self._plain_weights():
+                w = getattr(owner, name)
+                setattr(owner, name, nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False))
+            self.__dict__["released"] = True
+            self.__dict__["upcast"] = upcast
         return True
+
+    def unpack(self) -> bool:
+        """Put plain weights back after `pack(release=True)` (rebuilt from the packed ones) and drop the
+        packed copy; False when there was nothing released."""
+        packed = self.packed
+        if not self.released:
+            return False
+        with torch.no_grad():
+            gate_up = torch.stack([p.to_dense() for p in packed["gate_up"]])
+            down = torch.stack([p.to_dense() for p in packed["down"]])
+            gate, up = (
+                packed["shared_gate_up"]
+                .to_dense()
+                .split([self.shared_experts.gate_proj.out_features, self.shared_experts.up_proj.out_features])
+            )
+            plain = (gate_up, down, gate.contiguous(), up.contiguous(), packed["shared_down"].to_dense())
+        for (owner, name), w in zip(self._plain_weights(), plain, strict=True):
+            setattr(owner, name, nn.Parameter(w, requires_grad=False))
+        self.__dict__["packed"] = None
+        self.__dict__["released"] = False
+        self.__dict__["upcast"] = None
+        return True
+
+    def _plain_weights(self) -> list[tuple[nn.Module, str]]:
+        mlp = self.shared_experts
+        return [
+            (self.experts, "gate_up_proj"),
+            (self.experts, "down_proj"),
+            (mlp.gate_proj, "weight"),
+            (mlp.up_proj, "weight"),
+            (mlp.down_proj, "weight"),
+        ]
 
     def _weights_key(self) -> tuple:
         mlp = self.shared_experts
@@ -111,10 +161,11 @@ class GroupedMoE(nn.Module):
         """The shared experts' MLP of every row of x, into out (their own forward when they have biases)."""
         mlp = self.shared_experts
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        if packed is not None and x.shape[0] <= PACKED_ROWS:
-            h = _packed_mm(x, packed["shared_gate_up"])
+        if packed is not None and (self.released or x.shape[0] <= PACKED_ROWS):
+            up = self.upcast
+            h = packed_linear(x, packed["shared_gate_up"], upcast=up)
             g, u = h.chunk(2, dim=-1)
-            out.copy_(_packed_mm(mlp.act_fn(g) * u, packed["shared_down"]))
+            out.copy_(packed_linear(mlp.act_fn(g) * u, packed["shared_down"], upcast=up))
         elif gate.bias is not None or up.bias is not None or down.bias is not None:
             out.copy_(mlp(x))
         else:
@@ -131,9 +182,10 @@ class GroupedMoE(nn.Module):
         if torch.compiler.is_compiling():
             return self._traced(x, weights, index).view(shape)
         packed = self.packed
-        if packed is not None and packed["key"] != self._weights_key():
+        if packed is not None and not self.released and packed["key"] != self._weights_key():
             self.pack()
             packed = self.packed
+        limit, up = (n * k, self.upcast) if self.released else (PACKED_ROWS, None)
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
@@ -145,8 +197,8 @@ class GroupedMoE(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 end = start + c
-                if packed is not None and c <= PACKED_ROWS:
-                    h[start:end] = _packed_mm(rows[start:end], packed["gate_up"][e])
+                if packed is not None and c <= limit:
+                    h[start:end] = packed_linear(rows[start:end], packed["gate_up"][e], upcast=up)
                 else:
                     torch.mm(rows[start:end], gate_up[e].t(), out=h[start:end])
                 start = end
@@ -158,8 +210,8 @@ class GroupedMoE(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 end = start + c
-                if packed is not None and c <= PACKED_ROWS:
-                    y[n + start : n + end] = _packed_mm(act[start:end], packed["down"][e])
+                if packed is not None and c <= limit:
+                    y[n + start : n + end] = packed_linear(act[start:end], packed["down"][e], upcast=up)
                 else:
                     torch.mm(act[start:end], down[e].t(), out=y[n + start : n + end])
                 start = end
@@ -173,6 +225,11 @@ class GroupedMoE(nn.Module):
         """The same sums with no host sync, for torch.compile(fullgraph=True): segment offsets stay a
         tensor and the segments run in transformers' opaque grouped-mm op (one torch.mm per expert
         segment); no prepacked weights."""
+        if self.released:
+            raise RuntimeError(
+                "GroupedMoE: its weights are prepacked for eager steps (pack(release=True)); "
+                "call unpack() before torch.compile"
+            )
         n, k = index.shape
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj
@@ -192,11 +249,6 @@ class GroupedMoE(nn.Module):
         target = torch.cat([torch.arange(n, device=x.device), token])
         acc = torch.zeros(n, x.shape[1], dtype=torch.promote_types(y.dtype, scale.dtype), device=x.device)
         return acc.index_add_(0, target, y * scale[:, None]).to(x.dtype)
-
-
-def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x @ W.T with W prepacked by oneDNN (GroupedMoE.pack)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def install_moe(model: nn.Module, impl: str = "grouped", pack: bool = False) -> int:
@@ -223,11 +275,15 @@ def install_moe(model: nn.Module, impl: str = "grouped", pack: bool = False) -> 
             elif impl == "transformers" and isinstance(child, GroupedMoE):
                 swaps.append((parent, child_name, child.block))
     for parent, child_name, module in swaps:
+        old = getattr(parent, child_name)
+        if isinstance(old, GroupedMoE):
+            old.unpack()  # the block's modules hold plain weights again
         setattr(parent, child_name, module)
     grouped = [m for m in model.modules() if isinstance(m, GroupedMoE)]
     for m in grouped:
         if pack:
             m.pack()
         else:
+            m.unpack()
             m.__dict__["packed"] = None
     return len(grouped)

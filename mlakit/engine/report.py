@@ -21,6 +21,8 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of admitted requests (first admission)
     generation_tokens: int  # tokens sampled
     num_preemptions: int
+    # modules whose bf16 GEMMs run on oneDNN-prepacked weights (mlakit/engine/packed.py; 0: plain GEMMs)
+    packed_modules: int = 0
 
 
 def output_of(req: Request, done: bool) -> RequestOutput:

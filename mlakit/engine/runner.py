@@ -17,10 +17,14 @@ from torch import nn
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
 from mlakit.engine.moe import install_moe
+from mlakit.engine.packed import pack_model
 
 # rows of logits materialized at a time for prompt log-probabilities: 256 x 129,280 (DeepSeek-V3's
 # vocabulary) fp32 is 132 MB, where a 2,048-token chunk at once would be 1.06 GB
 LOGPROB_ROWS = 256
+# eager bf16 CPU steps run their GEMMs on oneDNN-prepacked weights (mlakit/engine/packed.py); tests
+# turn it off to compare
+PACK = True
 
 # attention classes the engine serves (transformers' names); every other MLA family is refused by name
 ENGINE_ATTENTION = (
@@ -108,6 +112,9 @@ class ModelRunner:
             layer.self_attn = EngineAttention(mla, self.ctx, returns)
             self.layers.append(mla)
         self.moe_blocks = install_moe(model)
+        # linears and experts prepacked where bf16 runs natively on this CPU (0: none, plain GEMMs)
+        self.packed_modules = pack_model(model) if PACK else 0
+        self.head = model.lm_head
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
 

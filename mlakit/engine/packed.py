@@ -1,0 +1,196 @@
+"""Prepacked bf16 weights for the engine's eager CPU steps: every projection the model runs as a GEMM
+(attention q/kv-a/o projections, dense MLPs, lm_head; the MoE experts through GroupedMoE.pack) keeps
+its weight in oneDNN's blocked layout instead of the plain [out, in] one.
+
+Why: torch's bf16 `F.linear` on a CPU without AMX reorders the weight into oneDNN's layout at every
+call; at the few rows of a decode step that reorder costs as much as the product. The prepacked
+product is bit-identical to `F.linear` (tests/test_engine_packed.py) and faster at every row count
+measured (Intel Xeon AVX512-BF16 without AMX, one thread, GF/s, F.linear -> packed, DEMO widths):
+1 row 13 -> 25, 4 rows 38 -> 67, 8 rows 49 -> 75, 32 rows 71 -> 85, 128 rows 79 -> 83 (the 1,024 x
+5,632 MLP gate/up; the other projections alike, benchmarks/packed_linear.py).
+
+The packed weight replaces the plain one (memory neutral): `PackedLinear.weight` rebuilds the plain
+tensor on demand, and `unpack_model` puts nn.Linear modules back. Not packed: `kv_b_proj` (mlakit's
+attention reads its weight as per-head views for absorb), linears whose weight another module shares
+(a tied lm_head), fp32/fp16 weights, CUDA, and CPUs without native bf16 (mlakit.linear.Linear's fp32
+route is what runs there). torch.compile cannot trace the packed layout: a compiled step runs on the
+plain model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlakit.linear import Linear
+
+# weights read by mlakit itself as tensors (views), never packed
+KEEP_PLAIN = ("kv_b_proj",)
+# row counts at which `upcast_rows` compares the packed bf16 product with the fp32 one, and its probe
+# weight (out x in): a prefill chunk's projections are of this order
+PROBE_ROWS = (256, 512, 1024)
+PROBE_WEIGHT = (2048, 1024)
+# the fp32 route must win by this factor to be taken (the probe runs on shared cores)
+PROBE_MARGIN = 1.1
+_UPCAST = []  # the probe's answer, once per process
+
+
+def packs(dtype: torch.dtype, device) -> bool:
+    """Whether bf16 weights of `dtype` on `device` are prepacked: bf16 on a CPU whose oneDNN build runs
+    bf16 natively (AVX512-BF16 or AMX; not AVX2-only CPUs, where mlakit multiplies in fp32)."""
+    return (
+        dtype == torch.bfloat16
+        and torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 weight -> oneDNN's blocked layout (a torch._mkldnn tensor)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ Wᵀ (+ bias) with W prepacked (`prepack`); x [..., in] of the weight's dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def upcast_rows() -> int | None:
+    """Rows from which a product through fp32 (the packed weight unpacked and converted at each call,
+    then MKL's fp32 GEMM) beats the packed bf16 one on this CPU, or None (never): probed once per
+    process at the current thread count. Some CPUs run bf16 GEMMs slower than fp32 ones (an Intel Xeon
+    with AVX512-BF16 but no AMX, one thread, 1,024 rows: packed bf16 ~76 GF/s, fp32 ~110-130 GF/s with
+    the conversion); CPUs with AMX or Zen 4's bf16 units answer None."""
+    if not _UPCAST:
+        _UPCAST.append(_probe_upcast())
+    return _UPCAST[0]
+
+
+def _probe_upcast() -> int | None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*PROBE_WEIGHT, generator=g).to(torch.bfloat16)
+    packed = prepack(w)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.inference_mode():
+        wins = []
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, w.shape[1], generator=g).to(torch.bfloat16)
+            bf16 = best(lambda x=x: packed_mm(x, packed))
+            fp32 = best(lambda x=x: _upcast_mm(x, packed, None))
+            wins.append(bf16 > PROBE_MARGIN * fp32)
+    # the smallest probed row count from which fp32 wins at every larger one
+    for i, rows in enumerate(PROBE_ROWS):
+        if all(wins[i:]):
+            return rows
+    return None
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, upcast: int | None = None
+) -> torch.Tensor:
+    """`packed_mm`, or through fp32 when x has at least `upcast` rows (see `upcast_rows`)."""
+    if upcast is not None and x.numel() >= upcast * x.shape[-1]:
+        return _upcast_mm(x, packed, bias)
+    return packed_mm(x, packed, bias)
+
+
+def _upcast_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(x.float(), packed.to_dense().float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+class PackedLinear(nn.Module):
+    """An inference-only nn.Linear whose bf16 weight is prepacked; the bias (if any) stays a parameter."""
+
+    def __init__(self, linear: nn.Linear, upcast: int | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.upcast = upcast  # rows from which the product runs in fp32 (`upcast_rows`); None: never
+        # not a parameter or buffer: an opaque tensor has no storage to save or copy
+        self.__dict__["packed"] = prepack(linear.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain [out, in] weight, rebuilt from the packed one (a new tensor each call)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(
+                f"PackedLinear({self.in_features}, {self.out_features}): input must be bf16 on the CPU "
+                f"(the weight is prepacked for oneDNN), got {x.dtype} on {x.device}"
+            )
+        return packed_linear(x, self.packed, self.bias, self.upcast)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, packed"
+
+
+def pack_model(model: nn.Module) -> int:
+    """Replace every plain bf16 CPU nn.Linear of `model` (see the module docstring for what is kept) by
+    a PackedLinear and prepack every GroupedMoE's experts in place (GroupedMoE.pack(release=True));
+    returns the number of modules packed (linears and MoE blocks; 0 where `packs` says no)."""
+    from mlakit.engine.moe import GroupedMoE
+
+    param = next(model.parameters(), None)
+    if param is None or not packs(param.dtype, param.device):
+        return 0
+    owners: dict[int, int] = {}  # weight address -> modules holding it (a tied head: the embedding's)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
+    grouped = [m for m in model.modules() if isinstance(m, GroupedMoE)]
+    inside = {id(m) for g in grouped for m in g.modules()}  # the experts pack their shared MLP themselves
+    swaps = []
+    for parent in model.modules():
+        if id(parent) in inside:
+            continue
+        for name, child in parent.named_children():
+            if (
+                type(child) in (nn.Linear, Linear)
+                and name not in KEEP_PLAIN
+                and child.weight.dtype == torch.bfloat16
+                and child.weight.device.type == "cpu"
+                and owners[child.weight.data_ptr()] == 1
+            ):
+                swaps.append((parent, name, child))
+    upcast = upcast_rows() if swaps or grouped else None
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child, upcast))
+    return len(swaps) + sum(int(g.pack(release=True, upcast=upcast)) for g in grouped)
+
+
+def unpack_model(model: nn.Module) -> int:
+    """Undo `pack_model`: plain mlakit Linear modules and expert weights back; the number restored."""
+    from mlakit.engine.moe import GroupedMoE
+
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, PackedLinear)
+    ]
+    for parent, name, child in swaps:
+        plain = Linear(child.in_features, child.out_features, bias=False, device="meta", dtype=torch.bfloat16)
+        plain.weight = nn.Parameter(child.weight, requires_grad=False)
+        plain.bias = child.bias
+        setattr(parent, name, plain)
+    return len(swaps) + sum(int(g.unpack()) for g in model.modules() if isinstance(g, GroupedMoE))
