@@ -36,3 +36,71 @@ def test_the_cli_refuses_a_bad_thread_count_in_one_line_before_loading(command, 
     assert main([*command, "--threads", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("--threads must be an integer >= 1, got 0") and len(err) == 1
+
+
+def _affinity_of_threads() -> dict[int, set[int]]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            line = next(x for x in f if x.startswith("Cpus_allowed_list"))
+        out[int(tid)] = line.split(":", 1)[1].strip()
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread affinity on this platform")
+def test_bind_threads_pins_the_calling_threads_team():
+    """On a thread of its own (its OpenMP team is its own): thread i of the team runs on cpus[i] only,
+    and the GEMMs that follow run on that very team (no new threads appear)."""
+    import threading
+
+    from mlakit.engine.threads import (
+        _gomp_path,
+        bind_threads,
+        compute_cpus,
+        enter_compute_thread,
+        plan_threads,
+    )
+
+    if _gomp_path() is None:
+        pytest.skip("no GNU OpenMP runtime in this process")
+    cores = sorted(os.sched_getaffinity(0))
+    n = min(2, len(cores))
+    assert compute_cpus(n) == cores[:n]
+    assert compute_cpus(len(cores) + 1) is None  # oversubscribed: never pinned
+    result = {}
+
+    def run():
+        torch.set_num_threads(n)
+        result["bound"] = bind_threads(cores[:n])
+        result["mine"] = os.sched_getaffinity(0)
+        before = set(os.listdir("/proc/self/task"))
+        x = torch.randn(512, 512)
+        for _ in range(3):
+            x @ x
+        result["new"] = set(os.listdir("/proc/self/task")) - before
+        result["line"] = enter_compute_thread()
+
+    plan_threads(n)  # where the command plans them: before the loop thread starts
+    t = threading.Thread(target=run)
+    try:
+        t.start()
+        t.join()
+    finally:
+        plan_threads(None, bind=False)
+    assert result["bound"] == cores[:n]
+    assert result["mine"] == {cores[0]}  # the calling thread is thread 0
+    assert not result["new"]
+    assert "pinned to cores" in result["line"]
+    assert os.sched_getaffinity(0) == set(cores)  # this (another) thread is untouched
+
+
+def test_one_openmp_runtime_in_the_process():
+    """torch's GEMMs and mlakit's fused core share one OpenMP runtime, hence one pool of threads."""
+    from mlakit.engine.threads import _gomp_path
+    from mlakit.ops import cpu_core
+
+    cpu_core.available()  # loads the fused core where this CPU runs it
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(libs) <= 1, libs
+    assert (_gomp_path() is None) == (not any("libgomp" in x for x in libs))

@@ -37,13 +37,14 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from mlakit.engine import LLM
-    from mlakit.engine.threads import check_threads, set_threads
+    from mlakit.engine.threads import check_threads, enter_compute_thread, plan_threads
 
     start = time.perf_counter()
     threads = check_threads(args.threads)
     params, tokenizer = check(args)
-    set_threads(threads)
-    print(f"mlakit generate: loading {args.model} ...", file=sys.stderr)
+    plan_threads(threads)
+    pinning = enter_compute_thread()  # this thread runs the steps
+    print(f"mlakit generate: loading {args.model} ({pinning}) ...", file=sys.stderr)
     llm = LLM(
         args.model,
         tokenizer=tokenizer,

@@ -89,7 +89,7 @@ def _check_tokenizer(model: str) -> None:
 
 
 def run(args) -> int:
-    from mlakit.engine.threads import check_threads, set_threads
+    from mlakit.engine.threads import check_threads, keep_off_compute_cores, plan_threads, set_threads
 
     threads = check_threads(args.threads)
     _check_extra()
@@ -102,7 +102,11 @@ def run(args) -> int:
 
     _check_tokenizer(args.model)
     threads = set_threads(threads)
+    # the engine loop thread runs the steps on `threads` threads pinned one per core; this thread (the
+    # HTTP event loop) moves to the cores left over, if any
+    plan_threads(threads)
     engine = LLMEngine(args.model, **engine_kwargs(args))
+    pinning = keep_off_compute_cores()
     name = args.served_model_name or args.model
     app = build_app(EngineAdapter(engine), name, **app_kwargs(args))
     if not args.disable_uvicorn_access_log:
@@ -113,7 +117,7 @@ def run(args) -> int:
     gc.freeze()
     print(
         f"mlakit serve: {name} at http://{args.host}:{args.port}/v1, {threads} compute threads "
-        "(Ctrl-C stops)",
+        f"({pinning}; Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )

@@ -93,7 +93,11 @@ class EngineLoop:
         self._wake.set()
 
     def _run(self) -> None:
+        from mlakit.engine.threads import enter_compute_thread
+
         try:
+            # this thread runs every step: its OpenMP team is the one to size and pin
+            log.info("engine loop: %s", enter_compute_thread())
             while not self._stopping:
                 self._drain()
                 # aborted requests are reported (and forgotten) by the engine's next step, so it steps
