@@ -115,10 +115,15 @@ class RopeTables:
     sin: torch.Tensor
     first: torch.Tensor | None
     second: torch.Tensor
+    # "interleave" / "half": the gathers above are the fixed permutations `rope_tables` builds, taken
+    # as strided copies (a gather along the last dim is ~10x slower on a CPU); "": gather by index
+    layout: str = ""
 
     def unsqueeze_heads(self) -> RopeTables:
         """The same tables broadcast over a head axis: [..., dr] → [..., 1, dr]."""
-        return RopeTables(self.cos.unsqueeze(-2), self.sin.unsqueeze(-2), self.first, self.second)
+        return RopeTables(
+            self.cos.unsqueeze(-2), self.sin.unsqueeze(-2), self.first, self.second, self.layout
+        )
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> RopeTables:
@@ -130,7 +135,8 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> RopeT
     else:
         first = None
         second = torch.cat([evens // 2 + half, evens // 2])  # [x2 | x1]
-    return RopeTables(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1), first, second)
+    layout = "interleave" if interleave else "half"
+    return RopeTables(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1), first, second, layout)
 
 
 def rotation_matrices(t: RopeTables, dtype: torch.dtype) -> torch.Tensor:
@@ -150,6 +156,13 @@ def rotation_matrices(t: RopeTables, dtype: torch.dtype) -> torch.Tensor:
 def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
     """`apply_rope` over tables from `rope_tables`: x [..., dr] → rotated, half-split order, x's dtype."""
     xf = x.to(_work_dtype(x.dtype))
+    if t.layout:
+        dr = xf.shape[-1]
+        half = dr // 2
+        # interleave: [x0 x2 .. | x1 x3 ..]; half-split: x itself
+        lead = xf.unflatten(-1, (half, 2)).transpose(-1, -2).flatten(-2) if t.layout == "interleave" else xf
+        swapped = torch.cat([lead[..., half:], lead[..., :half]], dim=-1)  # [x1 x3 .. | x0 x2 ..] / [x2 | x1]
+        return (lead * t.cos + swapped * t.sin).to(x.dtype)
     lead = xf if t.first is None else xf.index_select(-1, t.first)
     out = lead * t.cos + xf.index_select(-1, t.second) * t.sin
     return out.to(x.dtype)

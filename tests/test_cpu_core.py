@@ -10,7 +10,7 @@ from support.common import assert_close, assert_lse_close, tiny_config
 
 from mlakit.linear import Linear
 from mlakit.ops import absorb, cpu_core, reference
-from mlakit.ops.absorb import fold_queries, latent_attention, unfold_values
+from mlakit.ops.absorb import UNFOLD_CHUNKED_ROWS, fold_queries, latent_attention, unfold_values
 from mlakit.ops.common import context_mask, core_dtype
 from mlakit.ops.paged import absorb_chunked
 
@@ -265,3 +265,19 @@ def test_a_built_core_loads_without_a_build_message(monkeypatch, tmp_path, capsy
     (cpu_core._build_dir() / "mlakit_cpu_core.so").write_bytes(b"not a library")
     ok, why = cpu_core._load()
     assert not ok and "cannot load" in why and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("rows", [9, 33, 64, 65])
+def test_unfold_in_fused_chunks_equals_one_row_at_a_time(rows):
+    """Past the fused core's 8 rows a call, unfold_values runs it 8 rows at a time up to
+    UNFOLD_CHUNKED_ROWS (then a bmm): each row exactly as alone, all within bf16 of fp64."""
+    need("fused")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(5, 24 + 12, 64, generator=g).bfloat16()
+    w_uv = w[:, 24:]
+    o = torch.randn(rows, 1, 5, 64, generator=g).bfloat16()
+    got = unfold_values(o, w_uv)
+    assert_close("unfold", got, torch.einsum("bshl,hvl->bshv", o.double(), w_uv.double()), 1e-2)
+    if rows <= UNFOLD_CHUNKED_ROWS:
+        alone = torch.cat([unfold_values(o[i : i + 1], w_uv) for i in range(rows)])
+        assert torch.equal(got, alone)

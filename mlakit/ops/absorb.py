@@ -71,6 +71,13 @@ def absorb(
     return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
 
 
+# rows of one fused `unfold_heads` call, and up to how many rows it runs in such chunks rather than as a
+# bf16 bmm over the strided per-head view (which copies the weight first): 16 heads x 512 latent x 128,
+# one thread, Intel AVX512-BF16: 32 rows 1.2 vs 2.3 ms, 64 rows 2.5 vs 3.2, 128 rows 5.0 vs 4.9
+UNFOLD_ROWS = 8
+UNFOLD_CHUNKED_ROWS = 64
+
+
 def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [B,S,H,dn] · W_UK[h] → [B,S,H,L]: one bmm over heads."""
     batch, new, heads, dn = q_nope.shape
@@ -85,8 +92,14 @@ def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def unfold_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [B,S,H,L] · W_UV[h]ᵀ → [B,S,H,dv]."""
     batch, new, heads, latent = o_lat.shape
-    if few_rows_fit(o_lat, w_uv, batch * new, limit=8):
-        return unfold_heads(o_lat.reshape(batch * new, heads, latent), w_uv).view(batch, new, heads, -1)
+    rows = batch * new
+    if few_rows_fit(o_lat, w_uv, min(rows, UNFOLD_ROWS), limit=UNFOLD_ROWS) and rows <= UNFOLD_CHUNKED_ROWS:
+        # the fused core takes 8 rows a call; each row's sums are its own, so chunks change nothing
+        flat = o_lat.reshape(rows, heads, latent)
+        if rows <= UNFOLD_ROWS:
+            return unfold_heads(flat, w_uv).view(batch, new, heads, -1)
+        parts = [unfold_heads(flat[i : i + UNFOLD_ROWS], w_uv) for i in range(0, rows, UNFOLD_ROWS)]
+        return torch.cat(parts).view(batch, new, heads, -1)
     o = o_lat.reshape(batch * new, heads, latent).transpose(0, 1)  # [H, B·S, L]
     out = torch.bmm(o, w_uv.transpose(1, 2))  # [H, B·S, dv]
     return out.transpose(0, 1).reshape(batch, new, heads, -1)
