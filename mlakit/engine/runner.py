@@ -11,6 +11,8 @@ head itself, a slice of rows at a time, so prompt log-probabilities over a whole
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -131,6 +133,7 @@ class ModelRunner:
         self.compiled_buckets: set[int] = set()
         self._compiled = None
         self.last_mode = "eager"
+        self.compiled_steps = 0  # steps run compiled (warm-up steps included)
         # engine warm-up: {"reps": r, "times": {bucket: {...}}} makes each step time both modes
         self.probe: dict | None = None
 
@@ -140,7 +143,11 @@ class ModelRunner:
         self.buckets = tuple(buckets)
         self.compiled_buckets = set(range(len(self.buckets)))
         kw = {} if backend != "inductor" else {"options": dict(options or {})}
-        self._compiled = torch.compile(self._all_rows, backend=backend, **kw)
+        # dynamo keeps its graphs (and their count limit) per code object: one of its own per runner, so
+        # that engines of other models in the process neither guard-fail into nor use up this one's
+        code = ModelRunner._all_rows.__code__.replace(co_name=f"_all_rows_{compiled.register(self)}")
+        fn = types.FunctionType(code, ModelRunner._all_rows.__globals__, code.co_name)
+        self._compiled = torch.compile(types.MethodType(fn, self), backend=backend, **kw)
 
     def compiled_ranges(self) -> tuple[str, ...]:
         """The token counts whose steps run compiled: "1", "2-16", ..."""
@@ -175,6 +182,7 @@ class ModelRunner:
                 return self._probe(ids, positions, keep, bucket)
             if bucket in self.compiled_buckets:
                 self.last_mode = "compiled"
+                self.compiled_steps += 1
                 return self._run_compiled(ids, positions, keep, bucket)
             self.last_mode = "eager"
             return self._run_eager(ids, positions, keep)
