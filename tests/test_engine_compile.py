@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     """Verdicts in a fresh folder; dynamo's aot_eager backend unless a test says otherwise."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("MLAKIT_STEP_MODES", str(tmp_path / "step_modes.json"))
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
 
 

@@ -3,8 +3,9 @@
 - `enforce_eager=True`: eager steps, nothing compiled.
 - `enforce_eager=False`: every bucket compiled and warmed (one line each on stderr), then each bucket's
   warm-up step is timed eager and compiled (best of PROBE_REPS each) and the verdict stored in
-  `$XDG_CACHE_HOME/mlakit/step_modes.json` under this model, dtype, threads, machine, torch and
-  compile options. Without a C++ compiler (or when compiling fails): one warning line, eager steps.
+  `$XDG_CACHE_HOME/mlakit/step_modes.json` ($MLAKIT_STEP_MODES if set) under this model, dtype,
+  threads, machine, torch and compile options. Without a C++ compiler (or when compiling fails): one
+  warning line, eager steps.
 - `enforce_eager=None` (default): the stored verdict for the same key, if one was measured: only the
   buckets measured faster compiled (their graphs come from the inductor cache); without one, eager:
   on the CPU this was measured on (Intel Xeon AVX512-BF16, no AMX; docs/engine.md "Compiled step")
@@ -154,7 +155,8 @@ def verdict_key(engine, buckets) -> str:
 
 
 def verdict_path() -> str:
-    return os.path.join(compiled.mlakit_cache(), "step_modes.json")
+    """$MLAKIT_STEP_MODES, else step_modes.json in $XDG_CACHE_HOME/mlakit."""
+    return os.environ.get("MLAKIT_STEP_MODES") or os.path.join(compiled.mlakit_cache(), "step_modes.json")
 
 
 def load_verdict(key: str) -> list[int] | None:
