@@ -1,11 +1,13 @@
 """The engine's compiled step against its eager one on the demo model (bf16), printed, never asserted.
 
     PYTHONPATH=. python benchmarks/engine_compile.py [--threads 1] [--rows 8 32] [--prefill 512 2048]
-        [--steps 24] [--reps 3] [--no-starts] [--json out.json]
+        [--steps 24] [--reps 3] [--no-starts] [--options '{"cpp_wrapper": true}'] [--json out.json]
 
 Starts: two fresh processes build `LLMEngine(demo, enforce_eager=False)` on one empty inductor cache
 (TORCHINDUCTOR_CACHE_DIR, a temporary folder): the first compiles every bucket, the second reads the
-cache; each prints its warm-up seconds (`stats.compile_seconds`). Steps: one engine (compiled buckets,
+cache (both time each bucket and store the verdict, $MLAKIT_STEP_MODES or the user's); a third starts
+with the default (None: the verdict's buckets, from the cache); each prints its warm-up seconds
+(`stats.compile_seconds`). Steps: one engine (compiled buckets,
 on that cache) runs decode steps of `--rows` sequences (128-token prompts, greedy) and one-prompt
 prefill steps of `--prefill` tokens, eager and compiled in turn (`runner.compiled_buckets` emptied for
 the eager ones), ms per `engine.step()` (lm_head and sampling included): min and median. A gate runs one
@@ -26,27 +28,32 @@ import time
 
 import torch
 
-from mlakit.engine import LLMEngine, SamplingParams
+from mlakit.engine import LLMEngine, SamplingParams, compiled
 from mlakit.engine.demo import demo_model
 
 PROMPT = 128  # tokens of each decoding sequence's prompt
-START = """
+START = """  # one engine start in a fresh process: its warm-up seconds
 import sys, torch
 torch.set_num_threads({threads})
-from mlakit.engine import LLMEngine
+from mlakit.engine import LLMEngine, compiled
 from mlakit.engine.demo import demo_model
-e = LLMEngine(demo_model(torch.bfloat16), enforce_eager=False, cache_memory="1GiB")
+compiled.OPTIONS = {options!r}
+e = LLMEngine(demo_model(torch.bfloat16), enforce_eager={mode}, cache_memory="1GiB")
 print("compile_seconds", e.stats.compile_seconds)
 """
 
 
-def starts(threads: int, cache: str) -> list[float]:
-    """Warm-up seconds of two fresh processes on one inductor cache (empty at the first)."""
+def starts(threads: int, cache: str, options: dict) -> list[float]:
+    """Warm-up seconds of three fresh processes on one inductor cache (empty at the first): two with
+    enforce_eager=False (compile and measure), then one with None (the verdict they stored)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     out = []
-    for _ in range(2):
+    for mode in (False, False, None):
         run = subprocess.run(
-            [sys.executable, "-c", START.format(threads=threads)], env=env, capture_output=True, text=True
+            [sys.executable, "-c", START.format(threads=threads, options=options, mode=mode)],
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if run.returncode:
             raise SystemExit(run.stderr[-2000:])
@@ -141,19 +148,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="decode steps per mode")
     p.add_argument("--reps", type=int, default=3, help="prefill steps per mode")
     p.add_argument("--no-starts", action="store_true", help="skip the two start-up processes")
+    p.add_argument("--options", default="{}", help='inductor options as JSON, e.g. {"cpp_wrapper": true}')
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    compiled.OPTIONS = json.loads(args.options)
     result = {
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": args.threads,
+        "options": compiled.OPTIONS,
         "load_before": os.getloadavg(),
     }
     with tempfile.TemporaryDirectory() as cache:
         if not args.no_starts:
-            result["start_compile_s"] = starts(args.threads, cache)
-            print(f"start 1 / 2 compile seconds: {result['start_compile_s']}", flush=True)
+            result["start_compile_s"] = starts(args.threads, cache, compiled.OPTIONS)
+            print(
+                f"start 1 / 2 (--compile) / 3 (default) warm-up seconds: {result['start_compile_s']}",
+                flush=True,
+            )
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         engine = LLMEngine(
             demo_model(torch.bfloat16), enforce_eager=False, cache_memory="1GiB", enable_prefix_caching=False

@@ -7,6 +7,8 @@ end to end ([1, N, D] through the decoder layers, [N, D] into each attention, N 
 in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
 hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
 head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
+The same forward runs eager or, for the token-count buckets `enable_compile` is given, compiled
+(mlakit/engine/compiled.py; the engine chooses at start, mlakit/engine/warmup.py).
 """
 
 from __future__ import annotations
