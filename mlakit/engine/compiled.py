@@ -32,9 +32,14 @@ _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _KEYS = count()
 
 
+def new_key() -> int:
+    """A number no other registration in this process has."""
+    return next(_KEYS)
+
+
 def register(module: nn.Module) -> int:
     """A key under which the compiled graph calls `module.eager(*tensors)` through `eager_call`."""
-    key = next(_KEYS)
+    key = new_key()
     _MODULES[key] = module
     return key
 
@@ -51,11 +56,8 @@ def _(xs, key, width):
 
 
 def opaque(module: nn.Module, xs: list[torch.Tensor], width: int) -> torch.Tensor:
-    """In a compiled graph: one eager_call of `module` (registered on first use)."""
-    key = module.__dict__.get("_eager_key")
-    if key is None:
-        key = module.__dict__["_eager_key"] = register(module)
-    return torch.ops.mlakit.eager_call(xs, key, width)
+    """In a compiled graph: one eager_call of `module` (registered when it was built)."""
+    return torch.ops.mlakit.eager_call(xs, module.__dict__["_eager_key"], width)
 
 
 def available() -> str | None:

@@ -147,7 +147,7 @@ class ModelRunner:
         kw = {} if backend != "inductor" else {"options": dict(options or {})}
         # dynamo keeps its graphs (and their count limit) per code object: one of its own per runner, so
         # that engines of other models in the process neither guard-fail into nor use up this one's
-        code = ModelRunner._all_rows.__code__.replace(co_name=f"_all_rows_{compiled.register(self)}")
+        code = ModelRunner._all_rows.__code__.replace(co_name=f"_all_rows_{compiled.new_key()}")
         fn = types.FunctionType(code, ModelRunner._all_rows.__globals__, code.co_name)
         self._compiled = torch.compile(types.MethodType(fn, self), backend=backend, **kw)
 
