@@ -107,6 +107,7 @@ CONTRACT = dict(
     max_num_batched_tokens=2048,
     enable_prefix_caching=True,
     seed=0,
+    enforce_eager=None,
 )
 
 

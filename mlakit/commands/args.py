@@ -183,3 +183,24 @@ def positive(args, *names: str, low: int = 1) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def add_step_mode(p) -> None:
+    """--enforce-eager / --compile (mutually exclusive): the engine's `enforce_eager` True / False; neither:
+    None (compiled only where a measurement on this machine found it faster, docs/engine.md)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--enforce-eager",
+        dest="enforce_eager",
+        action="store_const",
+        const=True,
+        default=None,
+        help="eager steps only (nothing compiled)",
+    )
+    g.add_argument(
+        "--compile",
+        dest="enforce_eager",
+        action="store_const",
+        const=False,
+        help="compile the step for every token-count bucket at start (cached on disk) and measure it",
+    )

@@ -6,6 +6,7 @@ import sys
 import time
 
 from mlakit.commands import emit_json
+from mlakit.commands.args import add_step_mode
 
 
 def register(sub) -> None:
@@ -31,6 +32,7 @@ def register(sub) -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="compute threads (default: every core this process may use)"
     )
+    add_step_mode(p)
     p.add_argument("--json", action="store_true", help="print the RequestOutput as JSON")
     p.set_defaults(func=run)
 
@@ -51,6 +53,7 @@ def run(args) -> int:
         dtype=args.dtype,
         cache_dtype=args.cache_dtype,
         cache_memory=args.cache_memory,
+        enforce_eager=args.enforce_eager,
     )
     loaded = time.perf_counter()
     (out,) = llm.generate(args.prompt, params, use_tqdm=True)

@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 
-from mlakit.commands.args import count_type
+from mlakit.commands.args import add_step_mode, count_type
 
 
 def register(sub) -> None:
@@ -39,6 +39,7 @@ def register(sub) -> None:
         help="compute threads (torch's intra-op pool; default: every core this process may use)",
     )
     p.add_argument("--cache-memory", default=None, help="bytes or e.g. 2GiB for the latent pages")
+    add_step_mode(p)
     p.add_argument(
         "--max-waiting-requests",
         type=count_type("max-waiting-requests", 0, 1 << 20),
@@ -67,7 +68,7 @@ def register(sub) -> None:
 
 def engine_kwargs(args) -> dict:
     """The engine keywords the flags set; unset flags leave the engine's defaults."""
-    kw = {"enable_prefix_caching": not args.no_prefix_caching}
+    kw = {"enable_prefix_caching": not args.no_prefix_caching, "enforce_eager": args.enforce_eager}
     for flag in ("cache_dtype", "max_num_seqs", "max_num_batched_tokens", "dtype", "cache_memory"):
         value = getattr(args, flag)
         if value is not None:
@@ -108,6 +109,7 @@ def run(args) -> int:
     engine = LLMEngine(args.model, **engine_kwargs(args))
     pinning = keep_off_compute_cores()
     name = args.served_model_name or args.model
+    mode = _step_mode(engine.stats)
     app = build_app(EngineAdapter(engine), name, **app_kwargs(args))
     if not args.disable_uvicorn_access_log:
         _log_access()
@@ -117,7 +119,7 @@ def run(args) -> int:
     gc.freeze()
     print(
         f"mlakit serve: {name} at http://{args.host}:{args.port}/v1, {threads} compute threads "
-        f"({pinning}; {engine.malloc}; Ctrl-C stops)",
+        f"({pinning}; {engine.malloc}), {mode} (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )
@@ -126,6 +128,13 @@ def run(args) -> int:
         app, host=args.host, port=args.port, log_level="warning", loop=loop, timeout_graceful_shutdown=5
     )
     return 0
+
+
+def _step_mode(stats) -> str:
+    """'eager steps' or 'compiled steps for 2-16, 17-128 tokens (eager otherwise)'."""
+    if not stats.compiled_buckets:
+        return "eager steps"
+    return f"compiled steps for {', '.join(stats.compiled_buckets)} tokens (eager otherwise)"
 
 
 def app_kwargs(args) -> dict:

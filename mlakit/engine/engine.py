@@ -14,7 +14,7 @@ import torch
 from mlakit.cache.blocks import BlockPool
 from mlakit.cache.paged import PagedLatentCache
 from mlakit.cache.quant import token_layout
-from mlakit.engine import load
+from mlakit.engine import load, warmup
 from mlakit.engine.detok import Detokenizer, advance
 from mlakit.engine.kv import KVManager
 from mlakit.engine.limits import check_cache_dtype, check_context
@@ -46,10 +46,12 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        enforce_eager: bool | None = None,
     ):
         # every argument is checked, and a model instance's family, before anything (the user's model
         # included) changes
         check_args(cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed)
+        warmup.check_enforce_eager(enforce_eager)
         device = load.check_device(device)
         dtype = load.resolve_dtype(dtype, device)
         tokenizer = load.check_tokenizer(tokenizer)
@@ -97,6 +99,9 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         # host seconds spent per part of the step (the benchmark reads them)
         self.timings = dict.fromkeys(("schedule", "plan", "model", "sample", "steps"), 0.0)
+        # eager steps, or compiled ones where they pay (mlakit/engine/warmup.py)
+        self.compile_seconds = warmup.set_up(self, enforce_eager)
+        self._warm_steps = self.runner.compiled_steps
 
     # ---- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -318,6 +323,10 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_preemptions=self.num_preemptions,
             packed_modules=self.runner.packed_modules,
+            step_mode=self.runner.last_mode,
+            compile_seconds=self.compile_seconds,
+            compiled_buckets=self.runner.compiled_ranges(),
+            compiled_steps=self.runner.compiled_steps - self._warm_steps,
         )
 
     def check(self) -> None:

@@ -33,6 +33,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        enforce_eager: bool | None = None,
     ):
         self.llm_engine = LLMEngine(
             model,
@@ -47,6 +48,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            enforce_eager=enforce_eager,
         )
         self._counter = 0
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mlakit.engine import compiled
 from mlakit.engine.packed import packed_linear, prepack
 from mlakit.linear import Linear
 
@@ -78,6 +79,7 @@ class GroupedMoE(nn.Module):
         self.__dict__["packed"] = None  # see pack()
         self.__dict__["released"] = False  # pack(release=True): the plain weights are meta tensors
         self.__dict__["upcast"] = None  # with released weights: rows from which segments run in fp32
+        self.__dict__["_eager_key"] = compiled.register(self)
 
     def pack(self, release: bool = False, upcast: int | None = None) -> bool:
         """Prepack every expert's bf16 weights in oneDNN's blocked layout (built once; bit-identical
@@ -178,11 +180,19 @@ class GroupedMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, index = self.gate(x)  # [N, k] fp32, [N, k] long: the family's routing, as is
+        if torch.compiler.is_compiling():
+            # prepacked experts: the router is traced, the expert GEMMs (segments sized by the routing)
+            # run as one opaque op of a compiled step (mlakit/engine/compiled.py)
+            if self.released:
+                return compiled.opaque(self, [x, weights, index], x.shape[-1]).view(shape)
+            return self._traced(x, weights, index).view(shape)
+        return self.eager(x, weights, index).view(shape)
+
+    def eager(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Shared + routed experts of rows x [N, D] routed to `index` [N, k] with `weights` [N, k]."""
         n, k = index.shape
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, D], [E, D, I]
-        if torch.compiler.is_compiling():
-            return self._traced(x, weights, index).view(shape)
         packed = self.packed
         if packed is not None and not self.released and packed["key"] != self._weights_key():
             self.pack()
@@ -225,7 +235,7 @@ class GroupedMoE(nn.Module):
         for lo in range(0, s, COMBINE_ROWS):
             hi = min(s, lo + COMBINE_ROWS)
             acc.index_add_(0, token[lo:hi], y[n + lo : n + hi] * scale[lo:hi, None])
-        return acc.to(x.dtype).view(shape)
+        return acc.to(x.dtype)
 
     def _traced(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The same sums with no host sync, for torch.compile(fullgraph=True): segment offsets stay a

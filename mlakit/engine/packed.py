@@ -13,8 +13,8 @@ The packed weight replaces the plain one (memory neutral): `PackedLinear.weight`
 tensor on demand, and `unpack_model` puts nn.Linear modules back. Not packed: `kv_b_proj` (mlakit's
 attention reads its weight as per-head views for absorb), linears whose weight another module shares
 (a tied lm_head), fp32/fp16 weights, CUDA, and CPUs without native bf16 (mlakit.linear.Linear's fp32
-route is what runs there). torch.compile cannot trace the packed layout: a compiled step runs on the
-plain model.
+route is what runs there). torch.compile cannot trace the packed layout: a compiled step calls each
+packed product as one opaque op (mlakit/engine/compiled.py), on the same packed weight.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlakit.engine import compiled
 from mlakit.linear import Linear
 
 # weights read by mlakit itself as tensors (views), never packed
@@ -125,6 +126,7 @@ class PackedLinear(nn.Module):
         self.upcast = upcast  # rows from which the product runs in fp32 (`upcast_rows`); None: never
         # not a parameter or buffer: an opaque tensor has no storage to save or copy
         self.__dict__["packed"] = prepack(linear.weight)
+        self.__dict__["_eager_key"] = compiled.register(self)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -132,6 +134,12 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dynamo cannot trace oneDNN's packed tensor: a compiled step calls the product as one op
+        if torch.compiler.is_compiling():
+            return compiled.opaque(self, [x], self.out_features)
+        return self.eager(x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(
                 f"PackedLinear({self.in_features}, {self.out_features}): input must be bf16 on the CPU "

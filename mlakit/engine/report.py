@@ -23,6 +23,13 @@ class EngineStats:
     num_preemptions: int
     # modules whose bf16 GEMMs run on oneDNN-prepacked weights (mlakit/engine/packed.py; 0: plain GEMMs)
     packed_modules: int = 0
+    # the last step's mode, "compiled" or "eager" (before any step: compiled if a bucket is), the seconds
+    # the warm-up compiled and timed for, the token counts that run compiled ("2-16", ...) and the steps
+    # that ran compiled since the warm-up
+    step_mode: str = "eager"
+    compile_seconds: float = 0.0
+    compiled_buckets: tuple[str, ...] = ()
+    compiled_steps: int = 0
 
 
 def output_of(req: Request, done: bool) -> RequestOutput:

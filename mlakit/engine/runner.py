@@ -7,15 +7,20 @@ end to end ([1, N, D] through the decoder layers, [N, D] into each attention, N 
 in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
 hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
 head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
+The same forward runs eager or, for the token-count buckets `enable_compile` is given, compiled
+(mlakit/engine/compiled.py; the engine chooses at start, mlakit/engine/warmup.py).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
 
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
+from mlakit.engine import compiled
 from mlakit.engine.moe import install_moe
 from mlakit.engine.packed import pack_model
 
@@ -51,8 +56,16 @@ class EngineAttention(nn.Module):
         self.mla = mla
         self.ctx = ctx
         self.returns_indices = returns_indices
+        self.__dict__["_eager_key"] = compiled.register(self)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        # a compiled step calls the layer as one opaque op: it reads the plan and writes the cache
+        out = compiled.opaque(self, [x], x.shape[-1]) if torch.compiler.is_compiling() else self.eager(x)
+        out = out.view(hidden_states.shape)
+        return (out, None, None) if self.returns_indices else (out, None)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.ctx.plan
         if plan is None:
             raise RuntimeError(
@@ -60,8 +73,7 @@ class EngineAttention(nn.Module):
                 "paged cache): generate through the engine, or pass a copy (copy.deepcopy) to keep one "
                 "for transformers"
             )
-        out = self.mla(hidden_states.view(-1, hidden_states.shape[-1]), plan).view(hidden_states.shape)
-        return (out, None, None) if self.returns_indices else (out, None)
+        return self.mla(x, plan)
 
 
 def check_family(model: nn.Module) -> tuple[MLAConfig, list[nn.Module]]:
@@ -117,29 +129,109 @@ class ModelRunner:
         self.head = model.lm_head
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
+        # the compiled step (mlakit/engine/compiled.py): token-count buckets, those that run compiled,
+        # and the last step's mode
+        self.buckets: tuple = ()
+        self.compiled_buckets: set[int] = set()
+        self._compiled = None
+        self.last_mode = "eager"
+        self.compiled_steps = 0  # steps run compiled (warm-up steps included)
+        # engine warm-up: {"reps": r, "times": {bucket: {...}}} makes each step time both modes
+        self.probe: dict | None = None
+
+    def enable_compile(self, buckets, backend: str = "inductor", options: dict | None = None) -> None:
+        """Compile the forward (lazily, per bucket on its first step) for `buckets` [(lo, hi), ...]; every
+        bucket runs compiled until `compiled_buckets` says otherwise."""
+        self.buckets = tuple(buckets)
+        self.compiled_buckets = set(range(len(self.buckets)))
+        kw = {} if backend != "inductor" else {"options": dict(options or {})}
+        # dynamo keeps its graphs (and their count limit) per code object: one of its own per runner, so
+        # that engines of other models in the process neither guard-fail into nor use up this one's
+        code = ModelRunner._all_rows.__code__.replace(co_name=f"_all_rows_{compiled.register(self)}")
+        fn = types.FunctionType(code, ModelRunner._all_rows.__globals__, code.co_name)
+        self._compiled = torch.compile(types.MethodType(fn, self), backend=backend, **kw)
+
+    def compiled_ranges(self) -> tuple[str, ...]:
+        """The token counts whose steps run compiled: "1", "2-16", ..."""
+        spans = (self.buckets[b] for b in sorted(self.compiled_buckets))
+        return tuple(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
+
+    def disable_compile(self) -> None:
+        self.buckets, self.compiled_buckets, self._compiled, self.probe = (), set(), None, None
+
+    def _all_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # logits_to_keep=0: every row, so the kept rows' count stays out of the graph
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._mask,
+            use_cache=False,
+            logits_to_keep=0,
+        )
+        return out.logits[0]
 
     @torch.inference_mode()
     def forward(self, plan, ids: list[int], positions: list[int], keep: list[int]):
         """Hidden states [len(keep), D] (model dtype) of the packed tokens at `keep` after one step of the
         plan (`ids`, `positions`: its tokens in the plan's order): what the lm_head would read (the
         model's final norm and its family's scale applied)."""
-        dev = self.device
+        bucket = compiled.bucket_of(len(ids), self.buckets) if self._compiled is not None else None
         self.ctx.plan = plan
         # every served family's last op is `lm_head(hidden[:, keep])`: skipped here, applied by `logits`
         self.model.lm_head = self._through
         try:
-            out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
-                # a 4D mask makes transformers skip building one; the mlakit layers mask by the plan
-                attention_mask=self._mask,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-            )
+            if self.probe is not None and bucket is not None:
+                return self._probe(ids, positions, keep, bucket)
+            if bucket in self.compiled_buckets:
+                self.last_mode = "compiled"
+                self.compiled_steps += 1
+                return self._run_compiled(ids, positions, keep, bucket)
+            self.last_mode = "eager"
+            return self._run_eager(ids, positions, keep)
         finally:
             self.model.lm_head = self.head
             self.ctx.plan = None
+
+    def _run_eager(self, ids: list[int], positions: list[int], keep: list[int]):
+        dev = self.device
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            # a 4D mask makes transformers skip building one; the mlakit layers mask by the plan
+            attention_mask=self._mask,
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+        )
         return out.logits[0]
+
+    def _probe(self, ids: list[int], positions: list[int], keep: list[int], bucket: int):
+        """One warm-up step: compiled first (the compile), then eager and compiled in turn on the same
+        plan (a layer may rewrite its rows), best seconds of each into `probe["times"][bucket]`."""
+        import time
+
+        t0 = time.perf_counter()
+        got = self._run_compiled(ids, positions, keep, bucket)
+        first = time.perf_counter() - t0
+        best = {"eager": float("inf"), "compiled": float("inf")}
+        for _ in range(self.probe["reps"]):
+            for mode, run in (("eager", self._run_eager), ("compiled", self._run_compiled)):
+                t0 = time.perf_counter()
+                run(ids, positions, keep, *((bucket,) if mode == "compiled" else ()))
+                best[mode] = min(best[mode], time.perf_counter() - t0)
+        self.probe["times"][bucket] = dict(best, first=first)
+        self.last_mode = "compiled"
+        return got
+
+    def _run_compiled(self, ids: list[int], positions: list[int], keep: list[int], bucket: int):
+        dev = self.device
+        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        pos_t = torch.tensor([positions], dtype=torch.long, device=dev)
+        lo, hi = self.buckets[bucket]
+        if lo != hi:  # one graph for the bucket: its token count a dynamic size within [lo, hi]
+            for t in (ids_t, pos_t):
+                torch._dynamo.mark_dynamic(t, 1, min=lo, max=hi)
+        hidden = self._compiled(ids_t, pos_t)  # [N, D]
+        return hidden.index_select(0, torch.tensor(keep, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
