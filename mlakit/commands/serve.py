@@ -119,7 +119,7 @@ def run(args) -> int:
     gc.freeze()
     print(
         f"mlakit serve: {name} at http://{args.host}:{args.port}/v1, {threads} compute threads "
-        f"({pinning}), {mode} (Ctrl-C stops)",
+        f"({pinning}; {engine.malloc}), {mode} (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )

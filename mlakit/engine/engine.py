@@ -18,6 +18,7 @@ from mlakit.engine import load, warmup
 from mlakit.engine.detok import Detokenizer, advance
 from mlakit.engine.kv import KVManager
 from mlakit.engine.limits import check_cache_dtype, check_context
+from mlakit.engine.malloc import keep_heap
 from mlakit.engine.params import RequestOutput, SamplingParams
 from mlakit.engine.report import EngineStats, check_args, eos_of, output_of
 from mlakit.engine.request import FINISHED, WAITING, Request, Sequence
@@ -62,6 +63,8 @@ class LLMEngine:
             blocks = _cache_size(cfg, model.config, dtype or param.dtype, device or param.device, *sizes)
         model, self.tokenizer = load.load_model(model, tokenizer, dtype, device)
         self.runner = ModelRunner(model)
+        # a CPU step's buffers stay in the heap between steps (mlakit/engine/malloc.py)
+        self.malloc = keep_heap() if self.runner.device.type == "cpu" else "device memory"
         cfg, config = self.runner.cfg, model.config
         if blocks is None:
             blocks = _cache_size(cfg, config, self.runner.dtype, self.runner.device, *sizes)
