@@ -139,10 +139,10 @@ def run(args) -> int:
 
 
 def _step_mode(stats) -> str:
-    """'eager steps' or 'compiled steps for 2-16, 17-128 tokens (eager otherwise)'."""
+    """'eager steps' or 'compiled steps for 2-16, 17-128 tokens, eager otherwise'."""
     if not stats.compiled_buckets:
         return "eager steps"
-    return f"compiled steps for {', '.join(stats.compiled_buckets)} tokens (eager otherwise)"
+    return f"compiled steps for {', '.join(stats.compiled_buckets)} tokens, eager otherwise"
 
 
 def app_kwargs(args) -> dict:
