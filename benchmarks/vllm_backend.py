@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", nargs="+", type=int, default=[1])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
-    p.add_argument("--bind", default="all", help="VLLM_CPU_OMP_THREADS_BIND for -tp 1")
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # vLLM 0.32.0 reads ids, not "all"
+    p.add_argument("--bind", default=cores, help="VLLM_CPU_OMP_THREADS_BIND for -tp 1 (default: every core)")
     p.add_argument("--bind-tp", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND for -tp 2")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--bench-timeout", type=float, default=1200)
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.write_tiny:
         write_tiny(args.write_tiny)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # a folder given by --out may not exist yet
     print(f"machine: {machine()}\ndtype {args.dtype}, logs and results in {args.out}")
     table: dict[tuple, dict] = {}
     for tp in args.tp:
