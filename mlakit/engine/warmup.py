@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 
@@ -138,6 +137,8 @@ def _why(e: BaseException) -> str:
 def verdict_key(engine, buckets) -> str:
     """What a measured verdict holds for: the model's config, dtype, threads, machine, torch, compile
     options and buckets."""
+    from mlakit.bench.results import _cpu_name as cpu_name  # the name every mlakit figure is filed under
+
     config = engine.runner.model.config.to_dict()
     config.pop("_name_or_path", None)
     facts = dict(
@@ -145,7 +146,7 @@ def verdict_key(engine, buckets) -> str:
         dtype=str(engine.runner.dtype),
         device=str(engine.runner.device),
         threads=torch.get_num_threads(),
-        machine=_cpu_name(),
+        machine=cpu_name(),
         torch=torch.__version__,
         backend=compiled.BACKEND,
         options=compiled.OPTIONS,
@@ -184,14 +185,3 @@ def store_verdict(key: str, chosen: list[int]) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache: the next start measures again
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
