@@ -2,7 +2,8 @@
 
 PackedLinear's product is bit-identical to F.linear (bf16, every row count, 2D and 3D inputs, with and
 without bias); through fp32 (from `upcast` rows) it equals F.linear of the fp32 weight and input.
-pack_model replaces the plain linears (not kv_b_proj, not a tied head, not fp32 models), packs the
+pack_model replaces the plain linears (not kv_b_proj, not a tied head, not fp32 models where the fp32
+probe says no: tests/test_engine_packed_fp32.py covers the fp32 packing), packs the
 MoE experts in place (their plain weights become meta tensors), and unpack_model restores every
 weight exactly. The engine with packed weights gives the same tokens and log-probabilities as the
 engine without, where no product is upcast (and within bf16's reach of them where it is).
@@ -35,6 +36,12 @@ pytestmark = pytest.mark.skipif(
 def no_upcast(monkeypatch):
     """Every packed product in bf16 (the probe's answer replaced by 'never')."""
     monkeypatch.setattr(packed_mod, "_UPCAST", [None])
+
+
+@pytest.fixture
+def no_fp32(monkeypatch):
+    """fp32 weights stay plain (the fp32 probe's answer replaced by 'no gain')."""
+    monkeypatch.setattr(packed_mod, "_FP32", [False])
 
 
 def _linear(out_f: int, in_f: int, bias: bool, seed: int) -> nn.Linear:
@@ -97,12 +104,12 @@ def test_pack_model_what_is_packed_and_unpack(no_upcast):
         assert torch.equal(after[k], v), k
 
 
-def test_pack_model_skips_tied_head_fp32_and_compile_refusal(no_upcast):
+def test_pack_model_skips_tied_head_fp32_and_compile_refusal(no_upcast, no_fp32):
     tied = tiny_model("minicpm3", tie_word_embeddings=True).to(torch.bfloat16)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     pack_model(tied)
     assert type(tied.lm_head) is nn.Linear  # its weight is the embedding's: packing it would copy
-    assert pack_model(tiny_model("deepseek-v3")) == 0  # fp32: nothing packed
+    assert pack_model(tiny_model("deepseek-v3")) == 0  # fp32 where the probe finds no gain: nothing
     model = tiny_model("glm-4.7-flash").to(torch.bfloat16)
     install_moe(model)
     pack_model(model)
@@ -144,7 +151,7 @@ def test_engine_packed_same_tokens(family, no_upcast, monkeypatch):
     assert got[True] == got[False]
 
 
-def test_engine_fp32_not_packed():
+def test_engine_fp32_not_packed(no_fp32):
     eng = LLMEngine(tiny_model("deepseek-v3"), num_blocks=32, block_size=16)
     assert eng.runner.packed_modules == 0
     assert not any(isinstance(m, PackedLinear) for m in eng.runner.model.modules())

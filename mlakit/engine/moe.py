@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mlakit.engine import compiled
-from mlakit.engine.packed import packed_linear, prepack
+from mlakit.engine.packed import packed_linear, packs, prepack
 from mlakit.linear import Linear
 
 # transformers' MoE block classes the engine serves (all: gate -> (logits, weights, indices),
@@ -82,23 +82,23 @@ class GroupedMoE(nn.Module):
         self.__dict__["_eager_key"] = compiled.register(self)
 
     def pack(self, release: bool = False, upcast: int | None = None) -> bool:
-        """Prepack every expert's bf16 weights in oneDNN's blocked layout (built once; bit-identical
-        products, ~1.5-2x faster on the few rows a decode step gives an expert). Only for bf16 on a CPU
-        with oneDNN; False (nothing packed) otherwise. Without `release` the packed weights are a second
-        copy, repacked by themselves when the weights change in place or are replaced, and segments
-        over PACKED_ROWS rows keep torch.mm. With `release=True` (the engine's eager steps) the packed
-        weights replace the plain ones, which become meta tensors of the same shapes (memory neutral;
-        every segment runs packed; `unpack()` restores them; torch.compile needs them plain). `upcast`:
-        released segments of at least that many rows run through fp32 (mlakit.engine.packed.upcast_rows)."""
+        """Prepack every expert's bf16 weights in oneDNN's blocked layout (built once; bit-identical products,
+        ~1.5-2x faster on the few rows a decode step gives an expert). Only for bf16 on a CPU with native bf16
+        oneDNN, or fp32 where `mlakit.engine.packed.packs` says so (products within fp32 rounding of
+        torch.mm's); False (nothing packed) otherwise. Without `release` the packed weights are a second copy,
+        repacked by themselves when the weights change in place or are replaced, and segments over PACKED_ROWS
+        rows keep torch.mm. With `release=True` (the engine's eager steps) the packed weights replace the
+        plain ones, which become meta tensors of the same shapes (memory neutral; every segment runs packed;
+        `unpack()` restores them; torch.compile needs them plain). `upcast`: released segments of at least
+        that many rows run through fp32 (mlakit.engine.packed.upcast_rows)."""
         if self.released:
             return True
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         mlp = self.shared_experts
+        # bf16 where this CPU's oneDNN runs it natively (AVX2-only CPUs refuse the bf16 reorder), fp32
+        # where the probe finds a gain
         ok = (
-            gate_up.dtype == torch.bfloat16
-            and gate_up.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            packs(gate_up.dtype, gate_up.device)
             and all(type(getattr(mlp, n)) in (nn.Linear, Linear) for n in MLP_PROJ)
             and all(getattr(mlp, n).bias is None for n in MLP_PROJ)
         )

@@ -1,6 +1,8 @@
-"""Prepacked bf16 weights for the engine's eager CPU steps: every projection the model runs as a GEMM
+"""Prepacked weights for the engine's eager CPU steps: every projection the model runs as a GEMM
 (attention q/kv-a/o projections, dense MLPs, lm_head; the MoE experts through GroupedMoE.pack) keeps
-its weight in oneDNN's blocked layout instead of the plain [out, in] one.
+its weight in oneDNN's blocked layout instead of the plain [out, in] one. bf16 weights are packed on
+CPUs with native bf16; fp32 weights where a probe (`fp32_packs`) finds oneDNN's packed fp32 product
+faster than torch's plain one (MKL) at decode row counts.
 
 Why: torch's bf16 `F.linear` on a CPU without AMX reorders the weight into oneDNN's layout at every
 call; at the few rows of a decode step that reorder costs as much as the product. The prepacked
@@ -9,12 +11,19 @@ measured (Intel Xeon AVX512-BF16 without AMX, one thread, GF/s, F.linear -> pack
 1 row 13 -> 25, 4 rows 38 -> 67, 8 rows 49 -> 75, 32 rows 71 -> 85, 128 rows 79 -> 83 (the 1,024 x
 5,632 MLP gate/up; the other projections alike, benchmarks/packed_linear.py).
 
+fp32 (an AVX2-only AMD EPYC, Zen 1, where mlakit computes in fp32; one thread, GF/s, plain F.linear
+(MKL) -> packed, DEMO widths): 8 rows 10-21 -> 18-28, 32 rows 18-31 -> 29-34, 128 rows 27-34 -> 34-37;
+the lm_head (129,280 x 1,024) at 8 rows 201 -> 89 ms; but 1 row 6-17 -> 4-8 (a lone sequence decodes
+slower). The fp32 products are not bit-identical to MKL's (another summation order), only within
+fp32 rounding of them.
+
 The packed weight replaces the plain one (memory neutral): `PackedLinear.weight` rebuilds the plain
 tensor on demand, and `unpack_model` puts nn.Linear modules back. Not packed: `kv_b_proj` (mlakit's
 attention reads its weight as per-head views for absorb), linears whose weight another module shares
-(a tied lm_head), fp32/fp16 weights, CUDA, and CPUs without native bf16 (mlakit.linear.Linear's fp32
-route is what runs there). torch.compile cannot trace the packed layout: a compiled step calls each
-packed product as one opaque op (mlakit/engine/compiled.py), on the same packed weight.
+(a tied lm_head), fp16 weights, fp32 weights where the probe finds no gain, CUDA, and bf16 weights on
+CPUs without native bf16 (mlakit.linear.Linear's fp32 route is what runs there). torch.compile cannot
+trace the packed layout: a compiled step calls each packed product as one opaque op
+(mlakit/engine/compiled.py), on the same packed weight.
 """
 
 from __future__ import annotations
@@ -37,23 +46,61 @@ PROBE_WEIGHT = (2048, 1024)
 # the fp32 route must win by this factor to be taken (the probe runs on shared cores)
 PROBE_MARGIN = 1.1
 _UPCAST = []  # the probe's answer, once per process
+# rows at which `fp32_packs` compares the packed fp32 product with the plain one (a decode step's)
+FP32_PROBE_ROWS = (8, 32)
+_FP32 = []  # its answer, once per process
 
 
 def packs(dtype: torch.dtype, device) -> bool:
-    """Whether bf16 weights of `dtype` on `device` are prepacked: bf16 on a CPU whose oneDNN build runs
-    bf16 natively (AVX512-BF16 or AMX; not AVX2-only CPUs, where mlakit multiplies in fp32)."""
-    return (
-        dtype == torch.bfloat16
-        and torch.device(device).type == "cpu"
+    """Whether weights of `dtype` on `device` are prepacked: bf16 on a CPU whose oneDNN build runs bf16
+    natively (AVX512-BF16 or AMX; not AVX2-only CPUs, where mlakit multiplies in fp32), fp32 on a CPU
+    where `fp32_packs` finds the packed product faster."""
+    if not (
+        torch.device(device).type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 and fp32_packs()
+
+
+def fp32_packs() -> bool:
+    """Whether oneDNN's prepacked fp32 product beats torch's plain fp32 one (MKL) by PROBE_MARGIN at
+    every row count of FP32_PROBE_ROWS on this CPU: probed once per process at the current thread
+    count (an AVX2-only Zen 1 EPYC: 1.4-2.3x at 8 rows; see the module docstring)."""
+    if not _FP32:
+        _FP32.append(_probe_fp32())
+    return _FP32[0]
+
+
+def _best(f) -> float:
+    f()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _probe_fp32() -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*PROBE_WEIGHT, generator=g)
+    packed = prepack(w)
+    with torch.inference_mode():
+        for rows in FP32_PROBE_ROWS:
+            x = torch.randn(rows, w.shape[1], generator=g)
+            plain = _best(lambda x=x: F.linear(x, w))
+            if _best(lambda x=x: packed_mm(x, packed)) * PROBE_MARGIN > plain:
+                return False
+    return True
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bf16 weight -> oneDNN's blocked layout (a torch._mkldnn tensor)."""
+    """[out, in] bf16 or fp32 weight -> oneDNN's blocked layout (a torch._mkldnn tensor)."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
@@ -78,16 +125,7 @@ def _probe_upcast() -> int | None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*PROBE_WEIGHT, generator=g).to(torch.bfloat16)
     packed = prepack(w)
-
-    def best(f) -> float:
-        f()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
+    best = _best
     with torch.inference_mode():
         wins = []
         for rows in PROBE_ROWS:
@@ -117,13 +155,18 @@ def _upcast_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
 
 
 class PackedLinear(nn.Module):
-    """An inference-only nn.Linear whose bf16 weight is prepacked; the bias (if any) stays a parameter."""
+    """An inference-only nn.Linear whose bf16 or fp32 weight is prepacked; the bias (if any) stays a
+    parameter. Inputs are of the weight's dtype."""
 
     def __init__(self, linear: nn.Linear, upcast: int | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.upcast = upcast  # rows from which the product runs in fp32 (`upcast_rows`); None: never
+        self.dtype = linear.weight.dtype
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"PackedLinear: weight must be bf16 or fp32, got {self.dtype}")
+        # rows from which a bf16 product runs in fp32 (`upcast_rows`); None: never (always, for fp32)
+        self.upcast = upcast if self.dtype == torch.bfloat16 else None
         # not a parameter or buffer: an opaque tensor has no storage to save or copy
         self.__dict__["packed"] = prepack(linear.weight)
         self.__dict__["_eager_key"] = compiled.register(self)
@@ -140,9 +183,10 @@ class PackedLinear(nn.Module):
         return self.eager(x)
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            name = "bf16" if self.dtype == torch.bfloat16 else "fp32"
             raise ValueError(
-                f"PackedLinear({self.in_features}, {self.out_features}): input must be bf16 on the CPU "
+                f"PackedLinear({self.in_features}, {self.out_features}): input must be {name} on the CPU "
                 f"(the weight is prepacked for oneDNN), got {x.dtype} on {x.device}"
             )
         return packed_linear(x, self.packed, self.bias, self.upcast)
@@ -153,9 +197,10 @@ class PackedLinear(nn.Module):
 
 
 def pack_model(model: nn.Module) -> int:
-    """Replace every plain bf16 CPU nn.Linear of `model` (see the module docstring for what is kept) by
-    a PackedLinear and prepack every GroupedMoE's experts in place (GroupedMoE.pack(release=True));
-    returns the number of modules packed (linears and MoE blocks; 0 where `packs` says no)."""
+    """Replace every plain CPU nn.Linear of `model` of the model's dtype (bf16, or fp32; see the module
+    docstring for what is kept) by a PackedLinear and prepack every GroupedMoE's experts in place
+    (GroupedMoE.pack(release=True)); returns the number of modules packed (linears and MoE blocks; 0
+    where `packs` says no)."""
     from mlakit.engine.moe import GroupedMoE
 
     param = next(model.parameters(), None)
@@ -175,12 +220,12 @@ def pack_model(model: nn.Module) -> int:
             if (
                 type(child) in (nn.Linear, Linear)
                 and name not in KEEP_PLAIN
-                and child.weight.dtype == torch.bfloat16
+                and child.weight.dtype == param.dtype
                 and child.weight.device.type == "cpu"
                 and owners[child.weight.data_ptr()] == 1
             ):
                 swaps.append((parent, name, child))
-    upcast = upcast_rows() if swaps or grouped else None
+    upcast = upcast_rows() if (swaps or grouped) and param.dtype == torch.bfloat16 else None
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, upcast))
     return len(swaps) + sum(int(g.pack(release=True, upcast=upcast)) for g in grouped)
@@ -197,7 +242,7 @@ def unpack_model(model: nn.Module) -> int:
         if isinstance(child, PackedLinear)
     ]
     for parent, name, child in swaps:
-        plain = Linear(child.in_features, child.out_features, bias=False, device="meta", dtype=torch.bfloat16)
+        plain = Linear(child.in_features, child.out_features, bias=False, device="meta", dtype=child.dtype)
         plain.weight = nn.Parameter(child.weight, requires_grad=False)
         plain.bias = child.bias
         setattr(parent, name, plain)
