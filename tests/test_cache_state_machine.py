@@ -104,8 +104,15 @@ class CacheMachine(RuleBasedStateMachine):
             positions = torch.tensor(starts)[:, None] + torch.arange(h.shape[1])
             q_nope, q_pe, c, k = self.layer.project(h, positions)
             w_uk, w_uv = self.layer.up_weights()
+            stored_c, stored_k = self._stored()
             for b, (s, n) in enumerate(zip(slots, counts, strict=True)):
-                self.model[s] += [(c[b, i], k[b, i]) for i in range(n)]
+                # the layer projected the step's packed rows, this check the caller's rectangle: a GEMM's
+                # row may round differently with the row count (MKL's fp32 on an AVX2-only EPYC), so
+                # what was written is within fp32 rounding of it, and the model keeps what was written
+                got_c, got_k = stored_c[s, starts[b] : starts[b] + n], stored_k[s, starts[b] : starts[b] + n]
+                torch.testing.assert_close(got_c, c[b, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got_k, k[b, :n], rtol=1e-5, atol=1e-5)
+                self.model[s] += [(got_c[i].clone(), got_k[i].clone()) for i in range(n)]
                 ctx_c = torch.stack([r[0] for r in self.model[s]])[None]
                 ctx_k = torch.stack([r[1] for r in self.model[s]])[None]
                 o, _ = reference(
@@ -159,17 +166,20 @@ class CacheMachine(RuleBasedStateMachine):
             raise AssertionError(f"invalid call {which} was accepted")
         assert_same(self.cache, before, f"invalid call {which}")
 
+    def _stored(self):
+        """(c_kv [slot, position, L], k_pe [slot, position, dr]) of layer 1 as the cache holds them."""
+        if isinstance(self.cache, PagedLatentCache):
+            return self.cache.view(torch.arange(SLOTS), MAX_LEN, layer=1)
+        return self.cache.layer_view(1)
+
     @invariant()
     def holds_the_model(self):
         if not hasattr(self, "cache"):
             return
         assert self.cache.lengths.tolist() == [len(m) for m in self.model]
-        slots = torch.arange(SLOTS)
         if isinstance(self.cache, PagedLatentCache):
             self.cache.blocks.check()
-            c_kv, k_pe = self.cache.view(slots, MAX_LEN, layer=1)
-        else:
-            c_kv, k_pe = self.cache.layer_view(1)
+        c_kv, k_pe = self._stored()
         for s, rows in enumerate(self.model):
             for i, (c, k) in enumerate(rows):
                 assert torch.equal(c_kv[s, i], c) and torch.equal(k_pe[s, i], k), f"slot {s} token {i}"
