@@ -124,3 +124,21 @@ def test_cli_step_mode_flags(command, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args([command, *extra, "--enforce-eager", "--compile"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_eager_call_returns_what_its_fake_promises():
+    """The opaque op's result is contiguous, as its fake says, whatever layout the module returns (the
+    bf16 upcast product of mlakit.linear is a transposed view: inductor's stride check refused it)."""
+    import torch
+    from torch import nn
+
+    class Transposed(nn.Module):
+        def eager(self, x):
+            return (x @ torch.ones(x.shape[-1], 5)).t().contiguous().t()  # [N, 5], strides (1, N)
+
+    module = Transposed()
+    key = compiled.register(module)
+    x = torch.randn(7, 3)
+    assert not module.eager(x).is_contiguous()
+    out = torch.ops.mlakit.eager_call([x], key, 5)
+    assert out.is_contiguous() and torch.equal(out, module.eager(x))

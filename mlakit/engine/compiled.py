@@ -46,8 +46,10 @@ def register(module: nn.Module) -> int:
 
 @torch.library.custom_op("mlakit::eager_call", mutates_args=())
 def eager_call(xs: list[torch.Tensor], key: int, width: int) -> torch.Tensor:
-    """`module.eager(*xs)` of the module registered under `key`: [..., width], xs[0]'s dtype."""
-    return _MODULES[key].eager(*xs)
+    """`module.eager(*xs)` of the module registered under `key`: [..., width], xs[0]'s dtype, contiguous
+    (what the fake below promises the graph: a transposed result, such as mlakit.linear's upcast
+    product of a bf16 o_proj on an AVX2-only CPU, failed inductor's stride assertion)."""
+    return _MODULES[key].eager(*xs).contiguous()
 
 
 @eager_call.register_fake
