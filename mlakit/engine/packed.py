@@ -125,13 +125,12 @@ def _probe_upcast() -> int | None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*PROBE_WEIGHT, generator=g).to(torch.bfloat16)
     packed = prepack(w)
-    best = _best
     with torch.inference_mode():
         wins = []
         for rows in PROBE_ROWS:
             x = torch.randn(rows, w.shape[1], generator=g).to(torch.bfloat16)
-            bf16 = best(lambda x=x: packed_mm(x, packed))
-            fp32 = best(lambda x=x: _upcast_mm(x, packed, None))
+            bf16 = _best(lambda x=x: packed_mm(x, packed))
+            fp32 = _best(lambda x=x: _upcast_mm(x, packed, None))
             wins.append(bf16 > PROBE_MARGIN * fp32)
     # the smallest probed row count from which fp32 wins at every larger one
     for i, rows in enumerate(PROBE_ROWS):
