@@ -209,7 +209,9 @@ def test_bench_says_which_core_runs():
     from mlakit.bench.results import environment
 
     env = environment(BenchContext(tiny_config(), torch.float32, "cpu"))
-    assert env["core"] == "torch-float32" and "bf16" in env["core_note"].lower()
+    # fp32 at the tiny widths (latent 20): no fused core takes them (or none runs here); the note says why
+    assert env["core"] == "torch-float32" and env["core_note"]
+    assert (env["core"], env["core_note"]) == cpu_core.describe(torch.float32, "cpu", tiny_config())
     doc = {"env": env, "model": "tiny", "dtype": "fp32", "gate": [], "skipped": []}
     doc["timing"] = {"repeats": 3, "min_repeats": 3, "warmup": 1}
     assert f"decode core: torch-float32 ({env['core_note']})" in header(doc)
@@ -281,3 +283,93 @@ def test_unfold_in_fused_chunks_equals_one_row_at_a_time(rows):
     if rows <= UNFOLD_CHUNKED_ROWS:
         alone = torch.cat([unfold_values(o[i : i + 1], w_uv) for i in range(rows)])
         assert torch.equal(got, alone)
+
+
+# the fp32 core (AVX2 + FMA): everything in fp32, so its error is fp32 round-off at any width
+
+
+def need_f32() -> None:
+    if not cpu_core.available(torch.float32):
+        pytest.skip(f"fp32 fused core unavailable: {cpu_core.unavailable_reason(torch.float32)}")
+
+
+F32_SHAPES = {
+    **SHAPES,
+    "B2-S70-H3-T80/300": (2, 70, 3, 64, 8, [80, 300]),  # rows past one 64-row group, causal within
+    "B1-S1-H16-T97": (1, 1, 16, 8, 1, [97]),  # narrowest widths: latent 8, rope 1; 96-key block + 1
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", list(F32_SHAPES.values()), ids=list(F32_SHAPES))
+def test_fp32_core_against_fp64(shape, splits):
+    need_f32()
+    batch, new, heads, latent, rope, lens = shape
+    q_lat, q_pe, c_kv, k_pe, kv_lens = case(batch, new, heads, latent, rope, lens, dtype=torch.float32)
+    o, lse = cpu_core.fused_latent(q_lat, q_pe, c_kv, k_pe, kv_lens, 0.1, splits=splits)
+    want, want_lse = latent_oracle(q_lat, q_pe, c_kv, k_pe, kv_lens, new, 0.1)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_lse_close("lse", lse, want_lse, atol=1e-5)
+    assert_close("o_lat", o, want, 1e-5)
+    assert torch.equal(o[torch.isneginf(lse)], torch.zeros_like(o[torch.isneginf(lse)]))
+
+
+def test_fp32_core_reads_pages_in_place_and_auto_picks_it_where_measured():
+    need_f32()
+    g = torch.Generator().manual_seed(7)
+    batch, heads, lens = 3, 6, [5, 200, 129]
+    q_nope = torch.randn(batch, 1, heads, 16, generator=g)
+    q_pe = torch.randn(batch, 1, heads, 64, generator=g)
+    c_kv = torch.randn(batch, 200, 512, generator=g)
+    k_pe = torch.randn(batch, 200, 64, generator=g)
+    w_uk, w_uv = torch.randn(heads, 16, 512, generator=g) / 4, torch.randn(heads, 12, 512, generator=g) / 20
+    kv_lens = torch.tensor(lens)
+    args = (q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, 0.1)
+    fused, fused_lse = absorb(*args, core="fused")
+    ref, ref_lse = reference(*[t.double() if t.is_floating_point() else t for t in args[:7]], 0.1)
+    assert_close("fused vs fp64", fused, ref, 1e-5)
+    assert_lse_close("lse vs fp64", fused_lse, ref_lse, atol=1e-5)
+    picked = cpu_core.auto_reason(torch.float32) is None  # CPUs without AVX-512
+    if picked:
+        assert torch.equal(absorb(*args)[0], fused)  # "auto" runs the fused core
+    assert cpu_core.core_name(torch.float32) == ("fused-avx2-fp32" if picked else "torch-float32")
+    # a shuffled pool of rows, NaN wherever no key of a row's length points
+    pool = torch.full((batch * 200 + 7, 576), float("nan"))
+    rows = torch.randperm(pool.shape[0], generator=g)[: batch * 200].view(batch, 200)
+    for b, n in enumerate(lens):
+        pool[rows[b, :n], :512], pool[rows[b, :n], 512:] = c_kv[b, :n], k_pe[b, :n]
+
+    def read(start, stop):
+        return c_kv[:, start:stop], k_pe[:, start:stop]
+
+    pages = (pool[:, :512], pool[:, 512:], rows)
+    paged, paged_lse = absorb_chunked(*args[:2], read, *args[4:], pages=pages, core="fused")
+    assert torch.equal(paged, fused) and torch.equal(paged_lse, fused_lse)
+
+
+def test_fp32_core_refuses_what_it_cannot_take():
+    need_f32()
+    q_lat, q_pe, c_kv, k_pe, lens = case(1, 1, 4, 20, 4, [9], dtype=torch.float32)  # latent 20: not 8k
+    with pytest.raises(ValueError, match="widths 20/4"):
+        cpu_core.use_fused("fused", q_lat, c_kv, k_pe)
+    assert not cpu_core.use_fused("auto", q_lat, c_kv, k_pe)
+    q_lat, q_pe, c_kv, k_pe, lens = case(1, 1, 4, 64, 8, [9], dtype=torch.float32)
+    with pytest.raises(ValueError, match="bf16 or fp32 only"):
+        cpu_core.use_fused("fused", q_lat, c_kv.double(), k_pe.double())
+    with pytest.raises(ValueError, match="autograd"):
+        cpu_core.use_fused("fused", q_lat.requires_grad_(), c_kv, k_pe)
+
+
+def test_the_fp32_core_is_built_apart_and_turned_off_by_the_same_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLAKIT_CPU_CORE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_core, "cpu_has_avx2", lambda: False)
+    assert cpu_core._load(cpu_core.F32) == (False, "this CPU has no AVX2 and FMA")
+    monkeypatch.setattr(cpu_core, "cpu_has_avx2", lambda: True)
+    built = []
+    monkeypatch.setattr(cpu_core, "_build", lambda lib: built.append(lib.name) or ("no compiler", False))
+    assert cpu_core._load(cpu_core.F32) == (False, "no compiler")
+    assert built == ["mlakit_cpu_f32.so"]
+    assert cpu_core._build_dir(cpu_core.F32) != cpu_core._build_dir(cpu_core.BF16)  # sources differ
+    assert "latent_decode_f32.cpp" in " ".join(cpu_core._compile_command(tmp_path / "x.so", cpu_core.F32))
+    monkeypatch.setenv("MLAKIT_CPU_CORE", "off")
+    assert cpu_core._load(cpu_core.F32) == (False, "MLAKIT_CPU_CORE turns it off")

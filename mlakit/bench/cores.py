@@ -125,7 +125,7 @@ def core_case(batch: int, cached: int, rates: dict, repeats: int, dtype=torch.bf
 
 def _gemm_dtype(name: str, dtype: torch.dtype) -> str:
     """The GEMM rate a form is compared with: the dtype its products run in."""
-    if name == "new" and core_name(dtype).startswith("fused"):
+    if name == "new" and core_name(dtype) == "fused-avx512bf16":
         return "bf16"
     if name == "torch" or name == "new":
         cd = core_dtype(dtype, "cpu")

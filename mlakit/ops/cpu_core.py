@@ -1,14 +1,22 @@
-"""The fused CPU decode core (mlakit/csrc/latent_decode.cpp) and the choice between it and the torch path.
+"""The fused CPU decode cores (mlakit/csrc/) and the choice between them and the torch path.
 
-The fused core runs where the CPU has AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake, Sapphire
-Rapids and later) and the storage is bf16: bf16 products, fp32 scores, softmax and sums, the cache
-read in place, the key range split for parallel work and merged by log-sum-exp. It is compiled once,
-on first use, with the system's C++ compiler against torch's own headers (torch.utils.cpp_extension's
-include paths and ABI flag), in a subprocess bounded by BUILD_TIMEOUT_S, into a cache folder keyed
-by the source, the flags and the torch version. Wherever it cannot build or run (no compiler, another
-ISA, autograd, torch.compile, other widths or dtypes) the torch path runs: nothing fails for want of it.
+Two fused cores, one per cache dtype, the same contract (`fused_latent`):
 
-MLAKIT_CPU_CORE=torch (or 0/off) never builds or uses it; MLAKIT_CPU_CORE_DIR moves the build cache.
+- "fused-avx512bf16" (latent_decode.cpp): CPUs with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper
+  Lake, Sapphire Rapids and later) and bf16 caches: bf16 products, fp32 scores, softmax and sums.
+- "fused-avx2-fp32" (latent_decode_f32.cpp): x86 CPUs with AVX2 and FMA and fp32 caches (what mlakit
+  keeps where the CPU has no native bf16): everything in fp32. "auto" picks it only on CPUs without
+  AVX-512, where it was measured (AMD EPYC Zen 1: 1.6-2.5x the torch path at decode, which gathers the
+  latents and runs small bmm's); core="fused" runs it on any AVX2 CPU.
+
+Both read the cache in place (strided, or a pool of rows by row id: pages), split the key range for
+parallel work and merge the parts by log-sum-exp. Each is compiled once, on first use, with the
+system's C++ compiler against torch's own headers (torch.utils.cpp_extension's include paths and ABI
+flag), in a subprocess bounded by BUILD_TIMEOUT_S, into a cache folder keyed by the source, the flags
+and the torch version. Wherever one cannot build or run (no compiler, another ISA, autograd,
+torch.compile, other widths or dtypes) the torch path runs: nothing fails for want of it.
+
+MLAKIT_CPU_CORE=torch (or 0/off) never builds or uses either; MLAKIT_CPU_CORE_DIR moves the build cache.
 """
 
 from __future__ import annotations
@@ -18,18 +26,47 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 CORES = ("auto", "fused", "torch")
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "latent_decode.cpp"
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-FLAGS += ("-mavx512bf16", "-mfma", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = CSRC / "latent_decode.cpp"
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H")
+FLAGS = COMMON_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 # seconds one compile may take (it took 35-50 s on a loaded 2-core machine)
 BUILD_TIMEOUT_S = 240
 
-_state: dict = {"loaded": None, "why": None}
+
+@dataclass(frozen=True)
+class Core:
+    """One fused core: its name in reports, the cache dtype it takes, how it is built and called."""
+
+    name: str
+    dtype: torch.dtype
+    source: Path
+    flags: tuple[str, ...]
+    library: str  # the built file's name
+    ops: str  # its torch.ops namespace
+    what: str  # for the build's messages
+
+
+BF16 = Core("fused-avx512bf16", torch.bfloat16, SOURCE, FLAGS, "mlakit_cpu_core.so", "mlakit_cpu", "")
+F32 = Core(
+    "fused-avx2-fp32",
+    torch.float32,
+    CSRC / "latent_decode_f32.cpp",
+    COMMON_FLAGS + ("-mavx2", "-mfma"),
+    "mlakit_cpu_f32.so",
+    "mlakit_cpu_f32",
+    "fp32 ",
+)
+CORE_FOR = {torch.bfloat16: BF16, torch.float32: F32}
+
+_state: dict = {"loaded": None, "why": None}  # the bf16 core's
+_states = {BF16.library: _state, F32.library: {"loaded": None, "why": None}}
 
 
 def cpu_has_bf16() -> bool:
@@ -37,6 +74,26 @@ def cpu_has_bf16() -> bool:
     probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # torch >= 2.3
     caps = probe() if probe is not None else {}
     return caps.get("architecture") == "x86_64" and bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU runs the fp32 core: x86-64 with AVX2 and FMA."""
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    caps = probe() if probe is not None else {}
+    return caps.get("architecture") == "x86_64" and bool(caps.get("avx2") and caps.get("fma3"))
+
+
+def cpu_has_avx512() -> bool:
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    return bool((probe() if probe is not None else {}).get("avx512_f"))
+
+
+def auto_reason(dtype: torch.dtype) -> str | None:
+    """Why "auto" does not pick the fused core for caches of `dtype` on this CPU although it may run
+    (None where it does): the fp32 core is chosen only where it was measured, CPUs without AVX-512."""
+    if dtype == torch.float32 and cpu_has_avx512():
+        return "the fp32 core is picked only on CPUs without AVX-512 (core='fused' runs it)"
+    return None
 
 
 def check_core(core: str) -> None:
@@ -50,9 +107,9 @@ def fits(q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, key_mask=N
         return "a key_mask (left padding)"
     if c_kv.device.type != "cpu":
         return f"device {c_kv.device.type}"
-    if c_kv.dtype != torch.bfloat16 or k_pe.dtype != torch.bfloat16:
-        return f"cache dtype {c_kv.dtype} (bf16 only)"
-    widths = width_reason(c_kv.shape[-1], k_pe.shape[-1])
+    if c_kv.dtype not in CORE_FOR or k_pe.dtype != c_kv.dtype:
+        return f"cache dtype {c_kv.dtype} (bf16 or fp32 only)"
+    widths = width_reason(c_kv.shape[-1], k_pe.shape[-1], c_kv.dtype)
     if widths is not None:
         return widths
     if c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
@@ -70,10 +127,10 @@ def use_fused(core: str, q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Te
     check_core(core)
     if core == "torch":
         return False
-    why = fits(q_lat, c_kv, k_pe, key_mask) or (None if available() else _state["why"])
+    why = fits(q_lat, c_kv, k_pe, key_mask) or unavailable_reason(c_kv.dtype)
     if why is not None and core == "fused":
         raise ValueError(f"core='fused' cannot run here: {why}")
-    return why is None
+    return why is None and (core == "fused" or auto_reason(c_kv.dtype) is None)
 
 
 def fused_latent(
@@ -91,18 +148,19 @@ def fused_latent(
     """The fused core: q_lat [B,S,H,L], q_pe [B,S,H,dr] against c_kv [B,T,L], k_pe [B,T,dr] (or pools
     [N, L], [N, dr] read at `rows` [B, T]), keys at positions key_start.. ; query i of row b sees keys
     up to kv_lens[b] - S + i. Returns (o_lat [B,S,H,L], lse [B,S,H]) in fp32; -inf/0 where no key is seen.
+    The core is the one for the cache's dtype (bf16 or fp32); the queries are converted to it.
     """
-    if not available():
-        raise ValueError(f"the fused core cannot run here: {_state['why']}")
+    core = CORE_FOR.get(c_kv.dtype)
+    if core is None or not available(c_kv.dtype):
+        raise ValueError(f"the fused core cannot run here: {unavailable_reason(c_kv.dtype)}")
     batch, new, heads, latent = q_lat.shape
-    q_l = q_lat.reshape(batch, new * heads, latent).to(torch.bfloat16).contiguous()
-    q_r = q_pe.reshape(batch, new * heads, -1).to(torch.bfloat16).contiguous()
+    q_l = q_lat.reshape(batch, new * heads, latent).to(core.dtype).contiguous()
+    q_r = q_pe.reshape(batch, new * heads, -1).to(core.dtype).contiguous()
     keys = (c_kv if rows is None else rows).shape[1]
     parts = default_splits(batch, keys) if splits is None else splits
     lens = kv_lens.to(device="cpu", dtype=torch.long).contiguous()
-    o, lse = torch.ops.mlakit_cpu.latent_decode(
-        q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts
-    )
+    op = getattr(torch.ops, core.ops).latent_decode
+    o, lse = op(q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts)
     return o.view(batch, new, heads, latent), lse.view(batch, new, heads)
 
 
@@ -148,12 +206,17 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def core_name(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -> str:
     """The absorbed decode core "auto" runs for a cache of `dtype` on `device` (for reports):
-    "fused-avx512bf16" or "torch-<core dtype>". Builds the fused core if it is not built yet."""
+    "fused-avx512bf16", "fused-avx2-fp32" or "torch-<core dtype>". Builds the fused core if it is not
+    built yet."""
     return describe(dtype, device, cfg)[0]
 
 
-def width_reason(latent: int, rope: int) -> str | None:
-    """Why the fused core cannot take these widths (the rule `fits` applies), or None when it can."""
+def width_reason(latent: int, rope: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the fused core for `dtype` cannot take these widths (the rule `fits` applies), or None."""
+    if dtype == torch.float32:
+        if latent % 8 or rope < 1:
+            return f"widths {latent}/{rope} (latent a multiple of 8, some rope)"
+        return None
     if latent % 32 or rope % 2:
         return f"widths {latent}/{rope} (latent a multiple of 32, rope even)"
     return None
@@ -166,36 +229,51 @@ def describe(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -
     from mlakit.ops.common import core_dtype
 
     on_cpu = torch.device(device).type == "cpu"
-    widths = None if cfg is None else width_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    if on_cpu and dtype == torch.bfloat16 and widths is None and available():
-        return "fused-avx512bf16", None
+    core = CORE_FOR.get(dtype)
     name = "torch-" + str(core_dtype(dtype, device)).removeprefix("torch.")
     if not on_cpu:
         return name, None
-    if dtype != torch.bfloat16:
-        return name, unavailable_reason() or f"the fused core takes bf16 caches, not {dtype}"
-    return name, unavailable_reason() or widths
+    if core is None:
+        return name, f"the fused cores take bf16 or fp32 caches, not {dtype}"
+    widths = None if cfg is None else width_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
+    why = unavailable_reason(dtype) or auto_reason(dtype) or widths
+    return (core.name, None) if why is None else (name, why)
 
 
-def unavailable_reason() -> str | None:
-    """Why the fused core is not available here (None when it is)."""
-    return None if available() else _state["why"]
+def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the fused core for caches of `dtype` is not available here (None when it is)."""
+    core = CORE_FOR.get(dtype)
+    if core is None:
+        return f"no fused core takes {dtype} caches"
+    return None if available(dtype) else _states[core.library]["why"]
 
 
-def available() -> bool:
-    """Whether the fused core is loaded (built on the first call where the CPU can run it)."""
-    if _state["loaded"] is None:
-        _state["loaded"], _state["why"] = _load()
-    return _state["loaded"]
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the fused core for caches of `dtype` (bf16 by default) is loaded (built on the first call
+    where the CPU can run it)."""
+    core = CORE_FOR.get(dtype)
+    if core is None:
+        return False
+    state = _states[core.library]
+    if state["loaded"] is None:
+        state["loaded"], state["why"] = _load(core)
+    return state["loaded"]
 
 
-def _load() -> tuple[bool, str | None]:
+def _cpu_reason(core: Core) -> str | None:
+    if core is F32:
+        return None if cpu_has_avx2() else "this CPU has no AVX2 and FMA"
+    return None if cpu_has_bf16() else "this CPU has no AVX512-BF16"
+
+
+def _load(core: Core = BF16) -> tuple[bool, str | None]:
     if os.environ.get("MLAKIT_CPU_CORE", "auto").lower() in ("0", "off", "torch", "false"):
         return False, "MLAKIT_CPU_CORE turns it off"
-    if not cpu_has_bf16():
-        return False, "this CPU has no AVX512-BF16"
+    why = _cpu_reason(core)
+    if why is not None:
+        return False, why
     try:
-        lib = _build_dir() / "mlakit_cpu_core.so"
+        lib = _build_dir(core) / core.library
         failed = lib.with_suffix(".failed")
         if failed.exists():
             return False, failed.read_text()[-400:]
@@ -214,8 +292,9 @@ def _load() -> tuple[bool, str | None]:
     return True, None
 
 
-def _build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+def _build_dir(core: Core = BF16) -> Path:
+    what = core.source.read_bytes() + " ".join(core.flags).encode() + torch.__version__.encode()
+    key = hashlib.sha256(what)
     root = (
         os.environ.get("MLAKIT_CPU_CORE_DIR")
         or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlakit" / "cpu_core"
@@ -225,29 +304,32 @@ def _build_dir() -> Path:
     return path
 
 
-def _compile_command(out: Path) -> list[str]:
+def _compile_command(out: Path, core: Core = BF16) -> list[str]:
     from torch.utils import cpp_extension as ext
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    cmd = [os.environ.get("CXX", "g++"), *FLAGS, abi, str(SOURCE), "-o", str(out)]
+    cmd = [os.environ.get("CXX", "g++"), *core.flags, abi, str(core.source), "-o", str(out)]
     cmd += [f"-I{p}" for p in ext.include_paths()]
     cmd += [f"-L{p}" for p in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
     return cmd
 
 
+def _core_of(lib: Path) -> Core:
+    return BF16 if lib.name == BF16.library else F32
+
+
 def _build_announced(lib: Path) -> tuple[str | None, bool]:
     """`_build`, with one line on stderr as it starts and one when it ends (it blocks for ~1 min)."""
-    print("mlakit: building the fused CPU decode core (once, ~1 min) ...", file=sys.stderr, flush=True)
+    what = f"{_core_of(lib).what}fused CPU decode core"
+    print(f"mlakit: building the {what} (once, ~1 min) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     why, lasting = _build(lib)
     took = time.perf_counter() - t0
     if why is None:
-        print(
-            f"mlakit: fused CPU decode core built in {took:.0f} s ({lib.parent})", file=sys.stderr, flush=True
-        )
+        print(f"mlakit: {what} built in {took:.0f} s ({lib.parent})", file=sys.stderr, flush=True)
     else:
         print(
-            f"mlakit: fused CPU decode core not built ({why.splitlines()[0][:200]}); the torch path runs",
+            f"mlakit: {what} not built ({why.splitlines()[0][:200]}); the torch path runs",
             file=sys.stderr,
             flush=True,
         )
@@ -255,22 +337,25 @@ def _build_announced(lib: Path) -> tuple[str | None, bool]:
 
 
 def _build(lib: Path) -> tuple[str | None, bool]:
-    """Compile into a temporary name, then rename (another process may be loading the same path).
-    Returns (why it failed or None, whether the failure lasts): only the compiler's non-zero exit on this
-    source and these flags lasts; no compiler (OSError) or a timeout may do better on a later call."""
+    """Compile the core named by `lib` into a temporary name, then rename (another process may be
+    loading the same path). Returns (why it failed or None, whether the failure lasts): only the
+    compiler's non-zero exit on this source and these flags lasts; no compiler (OSError) or a timeout
+    may do better on a later call."""
+    core = _core_of(lib)
     tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
     try:
         run = subprocess.run(
-            _compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+            _compile_command(tmp, core), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"cannot compile {SOURCE.name}: {type(e).__name__}: {e}", False
+        return f"cannot compile {core.source.name}: {type(e).__name__}: {e}", False
     if run.returncode != 0:
-        return f"cannot compile {SOURCE.name}: {run.stderr.strip()[-400:]}", True
+        return f"cannot compile {core.source.name}: {run.stderr.strip()[-400:]}", True
     os.replace(tmp, lib)
     return None, False
 
 
 if __name__ == "__main__":  # python -m mlakit.ops.cpu_core: build (or report why not)
-    print("fused core:", "ready" if available() else f"unavailable ({_state['why']})")
+    for dtype, core in CORE_FOR.items():
+        print(f"{core.name}:", "ready" if available(dtype) else f"unavailable ({unavailable_reason(dtype)})")
     sys.exit(0)

@@ -61,6 +61,13 @@ def absorb_chunked(
     keys = max_keys if static else int(kv_lens.max())
     if keys <= 0:
         raise ValueError(f"kv_lens {kv_lens.tolist()} hold no key to attend")
+    # the matmuls run in the compute dtype (fp32 for bf16 on a CPU without native bf16), as absorb's
+    cd = compute_dtype(q_nope.dtype, q_nope.device)
+    if pages is not None and use_fused(core, q_nope, pages[0], pages[1]):  # pages read in place
+        q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+        rows = pages[2][:, :keys]
+        o_lat, lse = fused_latent(q_lat, q_pe.to(cd), pages[0], pages[1], kv_lens, scale, rows=rows)
+        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
     if (
         bias is not None
         and keys <= min(chunk_tokens, KEY_BLOCK)
@@ -70,13 +77,8 @@ def absorb_chunked(
         # fp32/fp64 (no fused core, nothing to convert): the one-block form straight away
         c_kv, k_pe = read(0, keys)
         return absorb_one_block(q_nope, q_pe, c_kv, k_pe, bias, w_uk, w_uv, scale), None
-    # the matmuls run in the compute dtype (fp32 for bf16 on a CPU without native bf16), as absorb's
-    cd = compute_dtype(q_nope.dtype, q_nope.device)
     q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
     q_pe = q_pe.to(cd)
-    if pages is not None and use_fused(core, q_lat, pages[0], pages[1]):
-        o_lat, lse = fused_latent(q_lat, q_pe, pages[0], pages[1], kv_lens, scale, rows=pages[2][:, :keys])
-        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
     if bias is not None and keys <= min(chunk_tokens, KEY_BLOCK) and not _records(q_lat):
         c_kv, k_pe = read(0, keys)
         if not use_fused(core, q_lat, c_kv, k_pe):
