@@ -314,7 +314,7 @@ def test_fp32_core_against_fp64(shape, splits):
     assert torch.equal(o[torch.isneginf(lse)], torch.zeros_like(o[torch.isneginf(lse)]))
 
 
-def test_fp32_core_reads_pages_in_place_and_auto_picks_it_where_measured():
+def test_fp32_core_reads_pages_in_place_and_auto_picks_it():
     need_f32()
     g = torch.Generator().manual_seed(7)
     batch, heads, lens = 3, 6, [5, 200, 129]
@@ -329,10 +329,8 @@ def test_fp32_core_reads_pages_in_place_and_auto_picks_it_where_measured():
     ref, ref_lse = reference(*[t.double() if t.is_floating_point() else t for t in args[:7]], 0.1)
     assert_close("fused vs fp64", fused, ref, 1e-5)
     assert_lse_close("lse vs fp64", fused_lse, ref_lse, atol=1e-5)
-    picked = cpu_core.auto_reason(torch.float32) is None  # CPUs without AVX-512
-    if picked:
-        assert torch.equal(absorb(*args)[0], fused)  # "auto" runs the fused core
-    assert cpu_core.core_name(torch.float32) == ("fused-avx2-fp32" if picked else "torch-float32")
+    assert torch.equal(absorb(*args)[0], fused)  # "auto" runs the fused core
+    assert cpu_core.core_name(torch.float32) == "fused-avx2-fp32"
     # a shuffled pool of rows, NaN wherever no key of a row's length points
     pool = torch.full((batch * 200 + 7, 576), float("nan"))
     rows = torch.randperm(pool.shape[0], generator=g)[: batch * 200].view(batch, 200)

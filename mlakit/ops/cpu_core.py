@@ -5,9 +5,9 @@ Two fused cores, one per cache dtype, the same contract (`fused_latent`):
 - "fused-avx512bf16" (latent_decode.cpp): CPUs with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper
   Lake, Sapphire Rapids and later) and bf16 caches: bf16 products, fp32 scores, softmax and sums.
 - "fused-avx2-fp32" (latent_decode_f32.cpp): x86 CPUs with AVX2 and FMA and fp32 caches (what mlakit
-  keeps where the CPU has no native bf16): everything in fp32. "auto" picks it only on CPUs without
-  AVX-512, where it was measured (AMD EPYC Zen 1: 1.6-2.5x the torch path at decode, which gathers the
-  latents and runs small bmm's); core="fused" runs it on any AVX2 CPU.
+  keeps where the CPU has no native bf16, and what an fp32 model asks for elsewhere): everything in
+  fp32. Measured against the torch path at decode, which gathers the latents and runs small bmm's:
+  1.6-2.5x on AMD EPYC Zen 1 (AVX2 only), 1.6-2.7x on Zen 4 (AVX-512, where it still runs 256-bit).
 
 Both read the cache in place (strided, or a pool of rows by row id: pages), split the key range for
 parallel work and merge the parts by log-sum-exp. Each is compiled once, on first use, with the
@@ -83,19 +83,6 @@ def cpu_has_avx2() -> bool:
     return caps.get("architecture") == "x86_64" and bool(caps.get("avx2") and caps.get("fma3"))
 
 
-def cpu_has_avx512() -> bool:
-    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    return bool((probe() if probe is not None else {}).get("avx512_f"))
-
-
-def auto_reason(dtype: torch.dtype) -> str | None:
-    """Why "auto" does not pick the fused core for caches of `dtype` on this CPU although it may run
-    (None where it does): the fp32 core is chosen only where it was measured, CPUs without AVX-512."""
-    if dtype == torch.float32 and cpu_has_avx512():
-        return "the fp32 core is picked only on CPUs without AVX-512 (core='fused' runs it)"
-    return None
-
-
 def check_core(core: str) -> None:
     if core not in CORES:
         raise ValueError(f"core must be one of {CORES}, got {core!r}")
@@ -130,7 +117,7 @@ def use_fused(core: str, q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Te
     why = fits(q_lat, c_kv, k_pe, key_mask) or unavailable_reason(c_kv.dtype)
     if why is not None and core == "fused":
         raise ValueError(f"core='fused' cannot run here: {why}")
-    return why is None and (core == "fused" or auto_reason(c_kv.dtype) is None)
+    return why is None
 
 
 def fused_latent(
@@ -236,7 +223,7 @@ def describe(dtype: torch.dtype, device: torch.device | str = "cpu", cfg=None) -
     if core is None:
         return name, f"the fused cores take bf16 or fp32 caches, not {dtype}"
     widths = None if cfg is None else width_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
-    why = unavailable_reason(dtype) or auto_reason(dtype) or widths
+    why = unavailable_reason(dtype) or widths
     return (core.name, None) if why is None else (name, why)
 
 

@@ -129,7 +129,7 @@ def test_custom_runs_mlakits_backend(runs):
     (layers,) = runs["custom"]["layers"]
     assert layers["impls"] == ["MlakitMLAImpl"]
     assert runs["cpu_mla"]["layers"][0]["impls"] == ["CPUMLAImpl"]
-    # fp32: the fused fp32 core where "auto" picks it on this CPU (AVX2 without AVX-512), else torch
+    # fp32: the fused fp32 core where "auto" picks it on this CPU (AVX2 and FMA), else torch
     from mlakit.ops.cpu_core import core_name
 
     decode = "decode_fused" if core_name(torch.float32).startswith("fused") else "decode_torch"
