@@ -2,9 +2,14 @@
 
 First vLLM's logits processing: repetition penalty (over prompt and generated tokens), frequency and
 presence penalties (over generated tokens), EOS and stop tokens masked before `min_tokens`. Then
-greedy rows take the argmax. Sampled rows: temperature, top-k, top-p, min-p, then the exponential race
-(argmax of p / q with q ~ Exp(1), which draws from p): a row with a seed draws its q from its own
-generator, so its tokens do not depend on the other rows of the batch.
+greedy rows take the argmax. Sampled rows: temperature, top-k, top-p, min-p, then one draw from p by
+its inverse CDF (one uniform per row against the running sum of p, in fp64): a row with a seed draws
+its uniform from its own generator, so its tokens do not depend on the other rows of the batch.
+
+Why not the exponential race vLLM uses (argmax of p / q, q ~ Exp(1)): it draws one random number per
+vocabulary entry, and on a CPU that is most of the sampler: 78 ms for 32 rows of 129,280 (one thread,
+AMD EPYC Zen 4), as long as a third of the model's decode step, where the running sum takes ~6 ms.
+Both draw exactly from p.
 """
 
 from __future__ import annotations
@@ -98,17 +103,50 @@ def sample(
     the model's end token. Log-probabilities are the model's own (before processing, vLLM's default)."""
     raw = logits
     logits = process(logits, params, history, eos)
-    tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        probs = _filter(logits[idx], [params[i] for i in rows]).softmax(-1)
-        q = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            q[j].exponential_(generator=generators[i] or shared)
-        tokens[idx] = (probs / q).argmax(-1)
+    if not rows:
+        chosen = logits.argmax(-1).tolist()
+        return chosen, _logprobs(raw, params, chosen)
+    dev = logits.device
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g_idx = torch.tensor(greedy, device=dev)
+        tokens[g_idx] = logits[g_idx].argmax(-1)
+    idx = torch.tensor(rows, device=dev)
+    picked = logits if not greedy else logits[idx]  # no copy of the logits when every row samples
+    probs = _filter(picked, [params[i] for i in rows]).softmax(-1)
+    tokens[idx] = inverse_cdf(probs, _uniforms([generators[i] for i in rows], shared, dev))
     chosen = tokens.tolist()
     return chosen, _logprobs(raw, params, chosen)
+
+
+def _uniforms(generators: list, shared: torch.Generator, device) -> torch.Tensor:
+    """One fp64 uniform in [0, 1) per row: from the row's own generator, else from `shared` (the
+    unseeded rows' in one call, in row order)."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
+    common = [j for j, g in enumerate(generators) if g is None]
+    if common:
+        draws = torch.rand(len(common), dtype=torch.float64, device=device, generator=shared)
+        u[torch.tensor(common, device=device)] = draws
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand((), dtype=torch.float64, device=device, generator=g)
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (rows of non-negative weights, not necessarily summing to 1), u [R] uniforms in
+    [0, 1) -> [R] token ids: the first token whose running sum (fp64) exceeds u x the row's total. A
+    token of weight 0 is never returned: its running sum equals the one before it."""
+    if probs.dim() != 2 or u.shape != probs.shape[:1]:
+        raise ValueError(f"probs [R, V] and u [R] expected, got {list(probs.shape)} and {list(u.shape)}")
+    cdf = probs.to(torch.float64).cumsum(-1)
+    total = cdf[:, -1]
+    # u x total rounds up to the total itself for u within 2^-53 of 1: stay strictly below it
+    target = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+    # clamped for a degenerate row only (all weights 0 or NaN), which has no token to pick
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _logprobs(logits, params, chosen) -> list[dict[int, float] | None]:

@@ -1,0 +1,100 @@
+"""The sampler's draw: the inverse CDF against the distribution it should draw from (frequencies over
+many draws, a chi-square bound), weights of zero never drawn (top-k / top-p / min-p exclusions, and a
+uniform at the very top of [0, 1)), greedy rows beside sampled ones, seeded rows independent of the
+others, and bad shapes refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mlakit.engine import SamplingParams
+from mlakit.engine.sampler import _filter, inverse_cdf, sample
+
+
+def chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the categories of expected count >= 5 (the rest pooled)."""
+    n = counts.sum().item()
+    expect = p.double() * n
+    big = expect >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().view(1)])
+    exp = torch.cat([expect[big], expect[~big].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    return stat, int(keep.sum()) - 1
+
+
+def within_chi_square(stat: float, dof: int) -> bool:
+    """stat below the 99.99th percentile of chi-square(dof) (Wilson-Hilferty's approximation)."""
+    z = 3.72  # one-sided 1e-4
+    bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < bound
+
+
+def test_inverse_cdf_draws_from_p():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=g) * 2
+    p = logits.softmax(-1)[0]
+    n = 200_000
+    u = torch.rand(n, dtype=torch.float64, generator=g)
+    tokens = inverse_cdf(p.expand(n, -1), u)
+    counts = torch.bincount(tokens, minlength=50)
+    stat, dof = chi_square(counts, p)
+    assert within_chi_square(stat, dof), (stat, dof)
+
+
+def test_weights_of_zero_are_never_drawn_even_at_the_top_of_the_uniform():
+    p = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]])
+    top = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    for u in (0.0, 0.25, 0.5 - 1e-12, 0.5, 0.75, top.item()):
+        (tok,) = inverse_cdf(p, torch.tensor([u], dtype=torch.float64)).tolist()
+        assert tok in (1, 3), (u, tok)
+    # unnormalized weights: the same rule on u x total
+    w = torch.tensor([[0.0, 3.0, 1.0, 0.0]])
+    got = inverse_cdf(w.expand(4, -1), torch.tensor([0.0, 0.7, 0.76, top.item()], dtype=torch.float64))
+    assert got.tolist() == [1, 1, 2, 2]
+
+
+def test_sample_with_filters_draws_only_what_they_keep_and_in_proportion():
+    g = torch.Generator().manual_seed(1)
+    v = 40
+    logits = torch.randn(1, v, generator=g) * 1.5
+    sp = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02)
+    want = _filter(logits, [sp]).softmax(-1)[0]
+    rows = 4000
+    shared = torch.Generator().manual_seed(2)
+    counts = torch.zeros(v, dtype=torch.long)
+    for _ in range(10):
+        tokens, _ = sample(logits.expand(rows, -1).clone(), [sp] * rows, [None] * rows, shared)
+        counts += torch.bincount(torch.tensor(tokens), minlength=v)
+    assert counts[want == 0].sum() == 0
+    stat, dof = chi_square(counts, want)
+    assert within_chi_square(stat, dof), (stat, dof)
+
+
+def test_greedy_rows_beside_sampled_rows_and_seeded_rows_independent_of_the_rest():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g)
+    greedy = SamplingParams(temperature=0)
+    hot = SamplingParams(temperature=1.0)
+    seeded = [None, torch.Generator().manual_seed(7), None, None, torch.Generator().manual_seed(8)]
+    params = [greedy, hot, hot, greedy, hot]
+    tokens, lps = sample(logits.clone(), params, seeded, torch.Generator().manual_seed(0))
+    assert tokens[0] == logits[0].argmax().item() and tokens[3] == logits[3].argmax().item()
+    assert lps == [None] * 5
+    # row 1 and row 4 draw from their own generators: the same tokens alone, and in another batch
+    alone, _ = sample(logits[1:2].clone(), [hot], [torch.Generator().manual_seed(7)], torch.Generator())
+    assert alone == [tokens[1]]
+    other = torch.cat([torch.randn(3, 300, generator=g), logits[4:5]])
+    gens = [None, None, None, torch.Generator().manual_seed(8)]
+    again, _ = sample(other, [hot, greedy, hot, hot], gens, torch.Generator().manual_seed(5))
+    assert again[3] == tokens[4]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="probs"):
+        inverse_cdf(torch.ones(3), torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="u"):
+        inverse_cdf(torch.ones(2, 3), torch.zeros(3, dtype=torch.float64))
