@@ -98,3 +98,41 @@ def test_bad_shapes_are_refused():
         inverse_cdf(torch.ones(3), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="u"):
         inverse_cdf(torch.ones(2, 3), torch.zeros(3, dtype=torch.float64))
+
+
+def full_sort_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top-p by a sort of the whole row (the definition)."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = sorted_x.softmax(-1)
+    stay = probs.cumsum(-1) - probs <= top_p[:, None]
+    return torch.zeros_like(stay).scatter_(1, order, stay)
+
+
+@pytest.mark.parametrize("candidates", [8, 64, 10_000], ids=lambda c: f"candidates{c}")
+def test_top_p_among_candidates_equals_the_full_sort(monkeypatch, candidates):
+    # peaked rows find their set among the candidates, flat ones sort; the same tokens either way
+    import mlakit.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(4)
+    v = 3000
+    scale = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.3, 0.05, 6.0, 3.0])[:, None]
+    x = torch.randn(8, v, generator=g, dtype=torch.float64).float() * scale
+    x[6, 100:] = float("-inf")  # a top-k before top-p: -inf among the candidates
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.7, 0.99, 0.2, 0.9, 1e-6])
+    got = sampler.top_p_keep(x, top_p)
+    want = full_sort_keep(x, top_p)
+    assert torch.equal(got, want)
+    assert got.sum(-1).min() >= 1 and bool(got.gather(1, x.argmax(-1, keepdim=True)).all())
+
+
+def test_top_p_one_rows_keep_every_token_beside_nucleus_rows():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 500, generator=g) * 3
+    params = [SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_p=0.3)]  # fmt: skip
+    out = _filter(x, params)
+    assert torch.isfinite(out[1]).all() and torch.equal(out[1], x[1])
+    for i, p in ((0, 0.8), (2, 0.3)):
+        kept = torch.isfinite(out[i])
+        assert torch.equal(kept, full_sort_keep(x[i : i + 1], torch.tensor([p]))[0])
