@@ -297,6 +297,31 @@ def test_32_concurrent_streams_and_one_engine_thread():
         server.close()
 
 
+def test_the_loop_runs_on_the_compute_thread_the_engine_was_built_on():
+    # serve builds the engine on a ComputeThread and runs its loop there: one thread with an OpenMP team
+    from mlakit.engine.threads import ComputeThread
+
+    compute = ComputeThread(name="test-serve-compute")
+    engine = compute.call(FakeEngine)
+    built_on = compute.ident()
+    app = build_app(EngineAdapter(engine, sampling_params_cls=SamplingParams), "fake", compute=compute)
+    state = app.state.mlakit
+    assert not state.loop.alive()  # not started before the app is
+    server = ThreadServer(app)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        for i in range(3):
+            r = client.completions.create(model="fake", prompt=f"q{i}", max_tokens=4)
+            assert r.choices[0].text == fake_completion(f"q{i}", 4)[0]
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert engine.thread_ids == {built_on} and built_on != threading.get_ident()
+    finally:
+        server.close()
+    assert not state.loop.alive()
+    with pytest.raises(RuntimeError, match="stopped"):
+        compute.submit(lambda: None)  # the loop's stop closed the thread
+
+
 def test_a_taken_port_is_refused_before_the_model_loads(capsys):
     import socket
 

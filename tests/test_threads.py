@@ -104,3 +104,27 @@ def test_one_openmp_runtime_in_the_process():
         libs = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(libs) <= 1, libs
     assert (_gomp_path() is None) == (not any("libgomp" in x for x in libs))
+
+
+def test_compute_thread_runs_calls_in_order_on_one_thread_and_hands_back_errors():
+    import threading
+
+    from mlakit.engine.threads import ComputeThread
+
+    ct = ComputeThread(name="test-compute")
+    try:
+        assert "compute threads" in ct.line  # what enter_compute_thread said on it
+        seen = []
+        assert ct.call(lambda a, b=0: a + b, 2, b=3) == 5
+        futures = [ct.submit(lambda i=i: seen.append((i, threading.get_ident()))) for i in range(5)]
+        for f in futures:
+            f.result(10)
+        assert [i for i, _ in seen] == list(range(5))
+        assert {t for _, t in seen} == {ct.ident()} and ct.ident() != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            ct.call(lambda: 1 / 0)
+        assert ct.call(lambda: "still here") == "still here"  # an error does not stop the thread
+    finally:
+        ct.close(10)
+    with pytest.raises(RuntimeError, match="compute thread has stopped"):
+        ct.submit(lambda: None)

@@ -91,6 +91,7 @@ def _check_tokenizer(model: str) -> None:
 
 def run(args) -> int:
     from mlakit.engine.threads import (
+        ComputeThread,
         check_threads,
         keep_off_compute_cores,
         plan_threads,
@@ -114,11 +115,14 @@ def run(args) -> int:
     # pinned: a pinned thread cannot get out of the HTTP thread's way (or another job's), and its partner
     # spins at every barrier meanwhile (2 threads on 2 shared cores: short8 17.2 tok/s pinned, 27.8 not)
     plan_threads(threads, bind=threads < usable_cores())
-    engine = LLMEngine(args.model, **engine_kwargs(args))
+    # the engine is built and stepped on one thread: a second thread with an OpenMP team of its own
+    # (this one, had it built the engine) throttles the team's spinning (threads.ComputeThread)
+    compute = ComputeThread()
+    engine = compute.call(LLMEngine, args.model, **engine_kwargs(args))
     pinning = keep_off_compute_cores()
     name = args.served_model_name or args.model
     mode = _step_mode(engine.stats)
-    app = build_app(EngineAdapter(engine), name, **app_kwargs(args))
+    app = build_app(EngineAdapter(engine), name, compute=compute, **app_kwargs(args))
     if not args.disable_uvicorn_access_log:
         _log_access()
     # the startup heap (model, tokenizer) leaves the collector's view, as vLLM does: a full collection

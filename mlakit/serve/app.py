@@ -43,13 +43,15 @@ def build_app(
     max_request_bytes: int | None = None,
     access_log: bool = True,
     access_log_skip=(),
+    compute=None,
 ):
     """The app around one engine (through its `EngineAdapter`); the engine loop runs while the app does.
     `max_request_bytes`: the body limit (default `guard.default_request_bytes`); `access_log`: one line
-    per request on the `mlakit.serve.access` logger, but for the paths in `access_log_skip`."""
+    per request on the `mlakit.serve.access` logger, but for the paths in `access_log_skip`; `compute`:
+    the `ComputeThread` the engine was built on, to run the engine loop on (None: a thread of its own)."""
     metrics = Metrics(model_name)
-    state = ServerState(adapter, EngineLoop(adapter, metrics), metrics, model_name, api_key, max_waiting,
-                        int(time.time()))  # fmt: skip
+    loop = EngineLoop(adapter, metrics, compute=compute)
+    state = ServerState(adapter, loop, metrics, model_name, api_key, max_waiting, int(time.time()))
     state.max_prompt_chars = guard.longest_token_chars(adapter.tokenizer) * adapter.max_model_len
     state.max_request_bytes = max_request_bytes or guard.default_request_bytes(state.max_prompt_chars)
 

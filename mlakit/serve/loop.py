@@ -36,7 +36,10 @@ class Update:
 
 
 class EngineLoop:
-    def __init__(self, adapter, metrics, idle_wait: float = 0.5):
+    """`compute`: a `mlakit.engine.threads.ComputeThread` (the one the engine was built on) to run the
+    loop on; None: a thread of its own."""
+
+    def __init__(self, adapter, metrics, idle_wait: float = 0.5, compute=None):
         self.adapter = adapter
         self.metrics = metrics
         self.inflight = 0  # requests between submit and their last update (event-loop side only)
@@ -46,18 +49,40 @@ class EngineLoop:
         self._tracks: dict[str, Track] = {}
         self._idle_wait = idle_wait
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mlakit-engine-loop", daemon=True)
+        self._compute = compute
+        self._done: threading.Event | None = None  # set when _run returns on the compute thread
+        self._thread = None
+        if compute is None:
+            self._thread = threading.Thread(target=self._run, name="mlakit-engine-loop", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
+            return
+        self._done = threading.Event()
+        self._compute.submit(self._run_then_mark)
+
+    def _run_then_mark(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._done.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        elif self._done is not None:
+            self._done.wait(timeout)
+            self._compute.close(timeout)
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        if self._thread is not None:
+            running = self._thread.is_alive()
+        else:
+            running = self._done is not None and not self._done.is_set()
+        return running and self.error is None
 
     async def generate(self, requests: list[tuple[str, list[int], object]], gone=None):
         """Yields every `Update` of these (request_id, prompt_ids, params) until all have finished.
