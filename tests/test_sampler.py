@@ -136,3 +136,43 @@ def test_top_p_one_rows_keep_every_token_beside_nucleus_rows():
     for i, p in ((0, 0.8), (2, 0.3)):
         kept = torch.isfinite(out[i])
         assert torch.equal(kept, full_sort_keep(x[i : i + 1], torch.tensor([p]))[0])
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """The two-level running sum on small rows: blocks of 8 tokens."""
+    import mlakit.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "CDF_BLOCK", 8)
+    return sampler
+
+
+def test_two_level_draws_from_p(small_blocks):
+    test_inverse_cdf_draws_from_p()  # 50 tokens: 6 blocks of 8 and a tail of 2
+    test_sample_with_filters_draws_only_what_they_keep_and_in_proportion()
+
+
+def test_two_level_never_draws_a_weight_of_zero(small_blocks):
+    top = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    w = torch.zeros(1, 43)  # 5 blocks of 8 and a tail of 3
+    w[0, [3, 20, 21, 41]] = torch.tensor([0.25, 0.25, 0.25, 0.25])  # block 1, 3 and 4 empty
+    u = [0.0, 0.2, 0.25, 0.3, 0.5 - 1e-15, 0.5, 0.74, 0.75, 0.9, top.item()]
+    u = torch.tensor(u, dtype=torch.float64)
+    got = inverse_cdf(w.expand(len(u), -1), u)
+    assert got.tolist() == [3, 3, 20, 20, 20, 21, 21, 41, 41, 41]
+
+
+def test_two_level_agrees_with_one_running_sum(monkeypatch):
+    import mlakit.engine.sampler as sampler
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(64, 3000, generator=g) * torch.linspace(0.1, 6, 64)[:, None]
+    probs = logits.softmax(-1)
+    u = torch.rand(64 * 300, dtype=torch.float64, generator=g)
+    rows = probs.repeat(300, 1)
+    monkeypatch.setattr(sampler, "CDF_BLOCK", 10**9)
+    flat = inverse_cdf(rows, u)
+    monkeypatch.setattr(sampler, "CDF_BLOCK", 64)
+    blocked = inverse_cdf(rows, u)
+    # the two differ only where u falls within fp32 rounding of a block sum of a boundary
+    assert (flat == blocked).float().mean() > 0.999
