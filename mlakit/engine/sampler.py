@@ -104,7 +104,7 @@ def top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     the row: ~17 ms for 32 rows of 129,280 on one core); the others sort their whole row (~350 ms)."""
     vocab = x.shape[-1]
     keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    rest = None
+    rest = torch.arange(x.shape[0], device=x.device)  # the rows that sort
     k = min(vocab, TOP_P_CANDIDATES)
     if k < vocab:
         vals, order = x.topk(k, dim=-1)  # descending
@@ -112,18 +112,13 @@ def top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         ahead = probs.cumsum(-1) - probs  # the probability of the tokens before each one
         keep.scatter_(1, order, ahead <= top_p[:, None])
         # strictly more than top_p among the candidates: every token past them has more ahead of it
-        short = (ahead[:, -1] + probs[:, -1] <= top_p).nonzero().squeeze(1)
-        if short.numel() == 0:
+        rest = (ahead[:, -1] + probs[:, -1] <= top_p).nonzero().squeeze(1)
+        if rest.numel() == 0:
             return keep
-        rest = short
-    rows = x if rest is None else x[rest]
-    sorted_x, order = rows.sort(dim=-1, descending=True)
+    sorted_x, order = x[rest].sort(dim=-1, descending=True)
     probs = sorted_x.softmax(-1)
-    stay = probs.cumsum(-1) - probs <= (top_p if rest is None else top_p[rest])[:, None]
-    full = torch.zeros_like(stay).scatter_(1, order, stay)
-    if rest is None:
-        return full
-    keep[rest] = full
+    stay = probs.cumsum(-1) - probs <= top_p[rest, None]
+    keep[rest] = torch.zeros_like(stay).scatter_(1, order, stay)
     return keep
 
 
@@ -191,34 +186,30 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows, vocab = probs.shape
     u = u.to(torch.float64)
     if vocab <= 2 * CDF_BLOCK:
-        return _search(probs.to(torch.float64).cumsum(-1), u).clamp_(max=vocab - 1)
+        return _search(probs.to(torch.float64).cumsum(-1), u)[0]
     whole = vocab // CDF_BLOCK * CDF_BLOCK
     parts = [probs[:, :whole].reshape(rows, -1, CDF_BLOCK).sum(-1)]
     if whole < vocab:
         parts.append(probs[:, whole:].sum(-1, keepdim=True))
     sums = torch.cat(parts, 1).to(torch.float64)  # [R, blocks]
     cdf = sums.cumsum(-1)
-    block = _search(cdf, u)  # a block of sum 0 is never chosen, as a token of weight 0
+    block, target = _search(cdf, u)  # a block of sum 0 is never chosen, as a token of weight 0
     before = cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1).masked_fill(block == 0, 0.0)
-    target = torch.minimum(u * cdf[:, -1], _below(cdf[:, -1])) - before  # in [0, sums[block])
+    share = ((target - before) / sums.gather(1, block[:, None]).squeeze(1)).clamp(0.0, 1.0)
     ids = block[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
     weights = probs.gather(1, ids.clamp(max=vocab - 1)).to(torch.float64) * (ids < vocab)
-    inner = weights.cumsum(-1)
-    share = (target / sums.gather(1, block[:, None]).squeeze(1)).clamp(0.0, 1.0)
-    return (ids.gather(1, _search(inner, share)[:, None]).squeeze(1)).clamp_(max=vocab - 1)
+    inner, _ = _search(weights.cumsum(-1), share)
+    return ids.gather(1, inner[:, None]).squeeze(1).clamp_(max=vocab - 1)
 
 
-def _below(total: torch.Tensor) -> torch.Tensor:
-    return torch.nextafter(total, torch.zeros_like(total))
-
-
-def _search(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first index whose running sum exceeds u x the row's total (kept strictly below the total,
-    which u x total rounds up to for u within 2^-53 of 1); clamped by the caller for a degenerate row
-    (all weights 0 or NaN), which has no token to pick."""
+def _search(cdf: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first index whose running sum exceeds the target, the target): u x the row's total, kept
+    strictly below the total, which u x total rounds up to for u within 2^-53 of 1. The index is
+    clamped for a degenerate row (all weights 0 or NaN), which has no token to pick."""
     total = cdf[:, -1]
-    target = torch.minimum(u * total, _below(total))
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    return index.clamp_(max=cdf.shape[-1] - 1), target
 
 
 def _logprobs(logits, params, chosen) -> list[dict[int, float] | None]:

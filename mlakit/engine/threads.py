@@ -149,7 +149,7 @@ def enter_compute_thread() -> str:
 
 class ComputeThread:
     """The one thread of a server process that runs torch's parallel work: the engine's construction
-    (loading, packing, the probes timed at the planned threads), then its loop (`run_last`).
+    (loading, packing, the probes timed at the planned threads), then its loop (serve's `EngineLoop`).
 
     Why one: GNU OpenMP gives every thread that starts parallel work a team of its own, and once the
     threads it manages outnumber the cores it stops spinning between regions (100 spins, then a futex
@@ -168,8 +168,10 @@ class ComputeThread:
         self._started.wait()
 
     def _main(self) -> None:
-        self.line = enter_compute_thread()
-        self._started.set()
+        try:
+            self.line = enter_compute_thread()  # the team sized and pinned before any work
+        finally:
+            self._started.set()  # had it raised, the thread is gone and submit says so
         while True:
             task = self._tasks.get()
             if task is None:

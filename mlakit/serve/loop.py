@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from mlakit.serve.errors import APIError, engine_refusal
@@ -36,8 +37,8 @@ class Update:
 
 
 class EngineLoop:
-    """`compute`: a `mlakit.engine.threads.ComputeThread` (the one the engine was built on) to run the
-    loop on; None: a thread of its own."""
+    """`compute`: the `mlakit.engine.threads.ComputeThread` the engine was built on, to run the loop on;
+    None: one of its own, started with the loop."""
 
     def __init__(self, adapter, metrics, idle_wait: float = 0.5, compute=None):
         self.adapter = adapter
@@ -50,39 +51,24 @@ class EngineLoop:
         self._idle_wait = idle_wait
         self._stopping = False
         self._compute = compute
-        self._done: threading.Event | None = None  # set when _run returns on the compute thread
-        self._thread = None
-        if compute is None:
-            self._thread = threading.Thread(target=self._run, name="mlakit-engine-loop", daemon=True)
+        self._running: Future | None = None  # the loop, as a task of the compute thread
 
     def start(self) -> None:
-        if self._thread is not None:
-            self._thread.start()
-            return
-        self._done = threading.Event()
-        self._compute.submit(self._run_then_mark)
+        from mlakit.engine.threads import ComputeThread
 
-    def _run_then_mark(self) -> None:
-        try:
-            self._run()
-        finally:
-            self._done.set()
+        if self._compute is None:
+            self._compute = ComputeThread(name="mlakit-engine-loop")
+        self._running = self._compute.submit(self._run)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        elif self._done is not None:
-            self._done.wait(timeout)
+        if self._running is not None:
+            wait([self._running], timeout)
             self._compute.close(timeout)
 
     def alive(self) -> bool:
-        if self._thread is not None:
-            running = self._thread.is_alive()
-        else:
-            running = self._done is not None and not self._done.is_set()
-        return running and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     async def generate(self, requests: list[tuple[str, list[int], object]], gone=None):
         """Yields every `Update` of these (request_id, prompt_ids, params) until all have finished.
@@ -118,11 +104,9 @@ class EngineLoop:
         self._wake.set()
 
     def _run(self) -> None:
-        from mlakit.engine.threads import enter_compute_thread
-
         try:
-            # this thread runs every step: its OpenMP team is the one to size and pin
-            log.info("engine loop: %s", enter_compute_thread())
+            # this thread runs every step: its OpenMP team was sized and pinned when it started
+            log.info("engine loop: %s", self._compute.line)
             while not self._stopping:
                 self._drain()
                 # aborted requests are reported (and forgotten) by the engine's next step, so it steps
