@@ -16,6 +16,8 @@
 
 #include <immintrin.h>
 
+#include "bf16_tiles.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,80 +27,9 @@
 
 namespace {
 
+using namespace mlakit_tiles;
+
 constexpr int KB = 128;  // keys per block of the online softmax (a multiple of the 8-key tile)
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline __m512 exp512(__m512 x) {
-  // exp to ~2 ulp: 2^n * p(r), r = x - n ln2; exactly 0 below -87 (and for -inf)
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
-}
-
-inline __m512 dp(__m512 acc, uint32_t pair, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)b);
-}
-
-// scores^T of 8 keys x NV*16 query rows over kpn pairs of one part of the row (latent, then rope):
-// `first` starts from zero, else from st; `scale` (when not 1) multiplies the sums at the end. The
-// parts run as two calls so that only 8 row pointers are live (16 spill the accumulators)
-template <int NV>
-inline void score_part(const uint32_t* const* rows, int kpn, const uint32_t* qp, int64_t ldq, float* st,
-                       int64_t lds, bool first, float scale) {
-  const uint32_t* k[8];
-  for (int m = 0; m < 8; ++m) k[m] = rows[m];
-  __m512 acc[8][NV];
-  for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(st + m * lds + 16 * v);
-  for (int kp = 0; kp < kpn; ++kp) {
-    __m512i b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(qp + kp * ldq + 16 * v);
-    for (int m = 0; m < 8; ++m)
-      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], k[m][kp], b[v]);
-  }
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v)
-      _mm512_storeu_ps(st + m * lds + 16 * v, scale == 1.0f ? acc[m][v] : _mm512_mul_ps(acc[m][v], s));
-}
-
-template <int NV>
-inline void score_tile(const uint32_t* const* kc, const uint32_t* const* kr, int kpl, int kpr,
-                       const uint32_t* qp, int64_t ldq, float* st, int64_t lds, float scale) {
-  score_part<NV>(kc, kpl, qp, ldq, st, lds, true, 1.0f);
-  score_part<NV>(kr, kpr, qp + kpl * ldq, ldq, st, lds, false, scale);
-}
-
-// O^T of 8 latent columns x NV*16 query rows: rescaled by alpha, plus the block's pairs of keys
-template <int NV>
-inline void pv_tile(const uint32_t* vp, int64_t ldv, int tp_count, const uint32_t* pt, int64_t ldp,
-                    float* ot, int64_t ldo, const float* alpha) {
-  __m512 acc[8][NV];
-  __m512 a[NV];
-  for (int v = 0; v < NV; ++v) a[v] = _mm512_loadu_ps(alpha + 16 * v);
-  for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + m * ldo + 16 * v), a[v]);
-  for (int tp = 0; tp < tp_count; ++tp) {
-    __m512i b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(pt + tp * ldp + 16 * v);
-    const uint32_t* row = vp + tp * ldv;
-    for (int m = 0; m < 8; ++m)
-      for (int v = 0; v < NV; ++v) acc[m][v] = dp(acc[m][v], row[m], b[v]);
-  }
-  for (int m = 0; m < 8; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ot + m * ldo + 16 * v, acc[m][v]);
-}
 
 struct Problem {
   const uint16_t* ckv;  // c_kv rows (bf16 bits), row r of sequence b: see row()
@@ -189,63 +120,16 @@ void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n) {
 
 // online softmax update over the block's nn keys: running max, both denominators, bf16 pairs in s.pt
 void block_softmax(const Problem& p, Scratch& s, int nn) {
-  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int r = 0; r < p.NRp; r += 16) {
-    __m512 bm = _mm512_set1_ps(NEG_INF);
-    for (int t = 0; t < nn; ++t) bm = _mm512_max_ps(bm, _mm512_loadu_ps(s.st.data() + t * p.NRp + r));
-    const __m512 m_old = _mm512_loadu_ps(s.m.data() + r);
-    const __m512 m_new = _mm512_max_ps(m_old, bm);
-    const __mmask16 dead = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ);
-    const __m512 safe = _mm512_mask_mov_ps(m_new, dead, _mm512_setzero_ps());
-    const __m512 alpha = _mm512_mask_mov_ps(exp512(_mm512_sub_ps(m_old, safe)), dead, _mm512_set1_ps(1.0f));
-    __m512 sum = _mm512_setzero_ps(), sum_r = _mm512_setzero_ps();
-    for (int t = 0; t < nn; t += 2) {
-      const __m512 e0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s.st.data() + t * p.NRp + r), safe));
-      const __m512 e1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s.st.data() + (t + 1) * p.NRp + r), safe));
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0's 16 bf16, then e1's
-      _mm512_storeu_si512(s.pt.data() + (t / 2) * p.NRp + r, _mm512_permutexvar_epi16(inter, both));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-      const __m512i lo16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
-      const __m512i hi16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
-      sum_r = _mm512_add_ps(sum_r, _mm512_castsi512_ps(_mm512_slli_epi32(lo16, 16)));
-      sum_r = _mm512_add_ps(sum_r, _mm512_castsi512_ps(_mm512_slli_epi32(hi16, 16)));
-    }
-    _mm512_storeu_ps(s.m.data() + r, m_new);
-    _mm512_storeu_ps(s.alpha.data() + r, alpha);
-    _mm512_storeu_ps(s.d.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(s.d.data() + r), alpha, sum));
-    _mm512_storeu_ps(s.dr.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(s.dr.data() + r), alpha, sum_r));
-  }
+  softmax_block(s.st.data(), p.NRp, p.NRp, nn, s.m.data(), s.d.data(), s.dr.data(), s.alpha.data(), s.pt.data());
 }
 
 // the block's c_kv rows interleaved in pairs: vp[tp][l] = (V[2tp][l], V[2tp+1][l])
 void block_values(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n, int nn) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                      6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23,
-                                      54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-  for (int t = 0; t < nn; t += 2) {
-    const uint16_t* a = ckv_row(p, b, k0 + std::min(t, n - 1));
-    const uint16_t* c = ckv_row(p, b, k0 + std::min(t + 1, n - 1));
-    uint32_t* out = s.vp.data() + (t / 2) * p.L;
-    for (int l = 0; l < p.L; l += 32) {
-      const __m512i x = _mm512_loadu_si512(a + l), y = _mm512_loadu_si512(c + l);
-      _mm512_storeu_si512(out + l, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_storeu_si512(out + l + 16, _mm512_permutex2var_epi16(x, hi, y));
-    }
-  }
+  pair_rows([&](int t) { return ckv_row(p, b, k0 + t); }, n, nn, p.L, s.vp.data());
 }
 
 void block_mix(const Problem& p, Scratch& s, int nn) {
-  for (int l0 = 0; l0 < p.L; l0 += 8) {
-    int r0 = 0;
-    for (; r0 + 32 <= p.NRp; r0 += 32)
-      pv_tile<2>(s.vp.data() + l0, p.L, nn / 2, s.pt.data() + r0, p.NRp, s.ot.data() + l0 * p.NRp + r0, p.NRp,
-                 s.alpha.data() + r0);
-    if (r0 < p.NRp)
-      pv_tile<1>(s.vp.data() + l0, p.L, nn / 2, s.pt.data() + r0, p.NRp, s.ot.data() + l0 * p.NRp + r0, p.NRp,
-                 s.alpha.data() + r0);
-  }
+  mix_block(s.vp.data(), p.L, nn, s.pt.data(), p.NRp, p.NRp, s.ot.data(), s.alpha.data());
 }
 
 // one sequence, keys [k0, k1): o [NR, L] (normalized) and lse [NR]

@@ -51,9 +51,19 @@ class Core:
     library: str  # the built file's name
     ops: str  # its torch.ops namespace
     what: str  # for the build's messages
+    extra: tuple[Path, ...] = ()  # more sources (and the headers they share), built into the same library
 
 
-BF16 = Core("fused-avx512bf16", torch.bfloat16, SOURCE, FLAGS, "mlakit_cpu_core.so", "mlakit_cpu", "")
+BF16 = Core(
+    "fused-avx512bf16",
+    torch.bfloat16,
+    SOURCE,
+    FLAGS,
+    "mlakit_cpu_core.so",
+    "mlakit_cpu",
+    "",
+    (CSRC / "prefill_attention.cpp", CSRC / "bf16_tiles.h"),
+)
 F32 = Core(
     "fused-avx2-fp32",
     torch.float32,
@@ -149,6 +159,54 @@ def fused_latent(
     op = getattr(torch.ops, core.ops).latent_decode
     o, lse = op(q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts)
     return o.view(batch, new, heads, latent), lse.view(batch, new, heads)
+
+
+def prefill_reason(q_nope: torch.Tensor, q_pe: torch.Tensor, dv: int) -> str | None:
+    """Why the fused prefill core (`fused_prefill`) cannot take these queries and values `dv` wide, or
+    None when it can: bf16 on a CPU, even nope and rope widths, a value width that is a multiple of 32,
+    no autograd, not traced, the bf16 core loaded (a host fact: no data read)."""
+    if q_nope.device.type != "cpu":
+        return f"device {q_nope.device.type}"
+    if q_nope.dtype != torch.bfloat16:
+        return f"dtype {q_nope.dtype} (bf16 only)"
+    dn, dr = q_nope.shape[-1], q_pe.shape[-1]
+    if dn % 2 or dr % 2 or dv % 32 or dn < 2 or dr < 2:
+        return f"widths {dn}/{dr}/{dv} (nope and rope even, values a multiple of 32)"
+    if torch.is_grad_enabled() and (q_nope.requires_grad or q_pe.requires_grad):
+        return "autograd"
+    if torch.compiler.is_compiling():
+        return "torch.compile"
+    return unavailable_reason(torch.bfloat16)
+
+
+def fused_prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    key_start: int = 0,
+    need_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Materialized attention on the bf16 core: q_nope [B,S,H,dn], q_pe [B,S,H,dr] against one
+    context's expanded keys k_nope [B,T,H,dn] with the shared rope key k_pe [B,T,dr] (never expanded per
+    head) and values v [B,T,H,dv]: strided views are read in place (rows contiguous). Keys sit at
+    positions key_start.. ; query i of row b sees keys up to kv_lens[b] - S + i, and keys it cannot see
+    are never read. Returns (out [B,S,H,dv], lse [B,S,H] fp32): out in bf16 and lse None by default;
+    with need_lse out in fp32 (parts merged by lse keep their precision), -inf/0 where no key is seen.
+    """
+    why = prefill_reason(q_nope, q_pe, v.shape[-1])
+    if why is None and torch.is_grad_enabled() and any(t.requires_grad for t in (k_nope, k_pe, v)):
+        why = "autograd"
+    if why is not None:
+        raise ValueError(f"the fused prefill core cannot run here: {why}")
+    rows = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_nope, q_pe, k_nope, k_pe, v)]
+    lens = kv_lens.to(device="cpu", dtype=torch.long).contiguous()
+    out, lse = torch.ops.mlakit_cpu.prefill_attention(*rows, lens, key_start, scale, need_lse)
+    return out, (lse if need_lse else None)
 
 
 # keys one part of a split key range holds at least (fewer: the merge costs more than it spreads)
@@ -280,7 +338,8 @@ def _load(core: Core = BF16) -> tuple[bool, str | None]:
 
 
 def _build_dir(core: Core = BF16) -> Path:
-    what = core.source.read_bytes() + " ".join(core.flags).encode() + torch.__version__.encode()
+    sources = b"".join(p.read_bytes() for p in (core.source, *core.extra))
+    what = sources + " ".join(core.flags).encode() + torch.__version__.encode()
     key = hashlib.sha256(what)
     root = (
         os.environ.get("MLAKIT_CPU_CORE_DIR")
@@ -295,7 +354,8 @@ def _compile_command(out: Path, core: Core = BF16) -> list[str]:
     from torch.utils import cpp_extension as ext
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    cmd = [os.environ.get("CXX", "g++"), *core.flags, abi, str(core.source), "-o", str(out)]
+    sources = [str(core.source)] + [str(p) for p in core.extra if p.suffix == ".cpp"]
+    cmd = [os.environ.get("CXX", "g++"), *core.flags, abi, f"-I{CSRC}", *sources, "-o", str(out)]
     cmd += [f"-I{p}" for p in ext.include_paths()]
     cmd += [f"-L{p}" for p in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
     return cmd

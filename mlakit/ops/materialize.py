@@ -2,6 +2,11 @@
 
 The expansion works through the context `workspace_tokens` keys at a time and merges the partial
 results by log-sum-exp, so its extra memory is bounded whatever the context length.
+
+Two cores attend over the expanded keys: the fused CPU prefill core (`mlakit.ops.cpu_core`: bf16
+products, fp32 scores, the expanded keys and values read in place, the rope key never copied per
+head) where it can run, and torch (SDPA, or explicit scores where an lse is wanted) everywhere;
+`core=` picks ("auto", "fused", "torch").
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mlakit.ops import cpu_core
 from mlakit.ops.common import (
     acc_dtype,
     compute_dtype,
@@ -38,13 +44,18 @@ def materialize(
     workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     need_lse: bool = True,
     max_keys: int | None = None,
+    core: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See `mlakit.ops`. With need_lse=False a one-shot call may run through SDPA and returns lse None.
-    `max_keys` (a plan's bucket): exactly that many keys, masked past kv_lens, no host read."""
+    """See `mlakit.ops`. With need_lse=False a one-shot call may run through SDPA (or the fused core)
+    and returns lse None. `max_keys` (a plan's bucket): exactly that many keys, masked past kv_lens, no
+    host read. `core`: "auto" (the fused CPU prefill core where it can run), "fused" (that core or a
+    ValueError saying why not), "torch"."""
     if workspace_tokens <= 0:
         raise ValueError(f"workspace_tokens must be > 0, got {workspace_tokens}")
     static = max_keys is not None
     keys = max_keys if static else int(kv_lens.max())
+    if _use_fused(core, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, key_mask):
+        return _fused(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, scale, keys, workspace_tokens, need_lse)
     cd = compute_dtype(c_kv.dtype, c_kv.device)
     w_uk, w_uv = w_uk.to(cd), w_uv.to(cd)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).to(cd)  # [B, H, S, dn+dr]
@@ -64,6 +75,67 @@ def materialize(
         del k, v, latent, rope
         out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
     return out.to(q_nope.dtype), lse
+
+
+def _use_fused(core, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, key_mask) -> bool:
+    """Whether `core` runs the fused prefill core on these tensors ("fused" where it cannot: a
+    ValueError naming why)."""
+    cpu_core.check_core(core)
+    if core == "torch":
+        return False
+    why = cpu_core.prefill_reason(q_nope, q_pe, w_uv.shape[1])
+    if why is None and key_mask is not None:
+        why = "a key_mask (left padding)"
+    if why is None and any(t.dtype != torch.bfloat16 for t in (c_kv, k_pe, w_uk, w_uv)):
+        why = "the cache or the weights are not bf16"
+    if why is None and torch.is_grad_enabled() and any(t.requires_grad for t in (c_kv, k_pe, w_uk, w_uv)):
+        why = "autograd"
+    if why is not None and core == "fused":
+        raise ValueError(f"core='fused' cannot run here: {why}")
+    return why is None
+
+
+def _fused(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, scale, keys, workspace_tokens, need_lse):
+    """The fused core over the context, `workspace_tokens` keys at a time (merged by lse). Keys no
+    query sees are never read, so nothing past a row's length needs zeroing."""
+    w_kv = joined(w_uk, w_uv)
+    dn = w_uk.shape[1]
+    out = lse = None
+    for start in range(0, keys, workspace_tokens):
+        stop = min(keys, start + workspace_tokens)
+        kv = F.linear(c_kv[:, start:stop], w_kv)  # [B, t, H·(dn+dv)]
+        kv = kv.view(*kv.shape[:2], w_uk.shape[0], -1)
+        part, part_lse = cpu_core.fused_prefill(
+            q_nope,
+            q_pe,
+            kv[..., :dn],
+            k_pe[:, start:stop],
+            kv[..., dn:],
+            kv_lens,
+            scale,
+            key_start=start,
+            need_lse=need_lse or stop < keys or start > 0,
+        )
+        del kv
+        out, lse = (part, part_lse) if out is None else merge([out, part], [lse, part_lse])
+    return out.to(q_nope.dtype), lse
+
+
+def joined(w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """[H·(dn+dv), L]: each head's w_uk rows then its w_uv rows, the layout of kv_b_proj's weight (one
+    GEMM expands keys and values); a view when w_uk and w_uv are the two halves of that weight, as
+    the layers' `up_weights` give them, else a copy."""
+    heads, dn, latent = w_uk.shape
+    width = dn + w_uv.shape[1]
+    halves = (
+        w_uk.stride() == (width * latent, latent, 1)
+        and w_uv.stride() == w_uk.stride()
+        and w_uv.untyped_storage().data_ptr() == w_uk.untyped_storage().data_ptr()
+        and w_uv.storage_offset() == w_uk.storage_offset() + dn * latent
+    )
+    if halves:
+        return w_uk.as_strided((heads * width, latent), (latent, 1))
+    return torch.cat([w_uk, w_uv], dim=1).reshape(heads * width, latent)
 
 
 def expand(
