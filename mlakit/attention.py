@@ -27,6 +27,7 @@ from mlakit.ops.sparse import (
     sparse_absorb_gathered,
     sparse_materialize,
 )
+from mlakit.ops.vnni import UpPacks, vnni_packs
 from mlakit.rope import RotaryTable, apply_tables
 
 ABSORB_BACKENDS = ("auto", "triton", "torch")
@@ -159,10 +160,31 @@ class MLAAttention(nn.Module):
                 per_head = self._converted(per_head, cd)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim :]
 
+    def pack_up(self) -> bool:
+        """Keep packed copies of w_uk and w_uv for the absorbed path's folds (`mlakit.ops.vnni.UpPacks`:
+        bf16 weights on a CPU with AVX512-BF16 without AMX; +1x kv_b_proj's memory); False where none is
+        made. Used while kv_b_proj's weight is the one packed (same tensor, storage and version); the
+        engine, which owns the weights, calls it once."""
+        w = self._kv_b_weight()
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not vnni_packs():
+            self.__dict__.pop("_up_packs", None)
+            return False
+        with torch.no_grad():
+            self.__dict__["_up_packs"] = (_weight_key(w), UpPacks(*self.up_weights()))
+        return True
+
+    def up_packs(self) -> UpPacks | None:
+        """The packs of `pack_up` while they match kv_b_proj's weight, else None."""
+        kept = self.__dict__.get("_up_packs")
+        if kept is None or kept[0] != _weight_key(self._kv_b_weight()):
+            return None
+        return kept[1]
+
     def __getstate__(self) -> dict:
         # kept weight views share memory with the parameter only in this process
         state = dict(super().__getstate__())
         state.pop("_up_views", None)
+        state.pop("_up_packs", None)
         return state
 
     def _converted(self, per_head: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
@@ -382,6 +404,7 @@ class MLAAttention(nn.Module):
                     max_keys=g.key_len,
                     pages=ctx.in_place(layer, g),
                     bias=g.bias,
+                    packs=self.up_packs(),
                 )
             if paged:
                 plan.backend = backend if plan.backend in (None, backend) else "mixed"
@@ -432,7 +455,9 @@ class MLAAttention(nn.Module):
         plan's bucket (exactly that many keys, masked past kv_lens)."""
         w_uk, w_uv = self.up_weights()
         if run == "absorb":
-            return absorb(q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale, max_keys=max_keys)
+            packs = self.up_packs()
+            args = (q_nope, q_pe, c_kv, k_pe, kv_lens, w_uk, w_uv, self.scale)
+            return absorb(*args, max_keys=max_keys, packs=packs)
         return materialize(
             q_nope,
             q_pe,
@@ -537,6 +562,11 @@ class MLAAttention(nn.Module):
 
 # the cached widths a layer and its cache must share: (field, what it is)
 CACHED_WIDTHS = (("kv_lora_rank", "latent width"), ("qk_rope_head_dim", "rope width"))
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    # inference tensors keep no version counter: their identity and storage only
+    return (id(w), w.data_ptr(), None if w.is_inference() else w._version)
 
 
 def width_mismatches(cache_cfg: MLAConfig, layer_cfg: MLAConfig) -> str:

@@ -1,7 +1,9 @@
 """The engine's prepacked bf16 weights (mlakit/engine/packed.py).
 
 PackedLinear's product is bit-identical to F.linear (bf16, every row count, 2D and 3D inputs, with and
-without bias); through fp32 (from `upcast` rows) it equals F.linear of the fp32 weight and input.
+without bias) at these small widths in both packed layouts (oneDNN's; mlakit's own on AVX512-BF16 CPUs
+without AMX, which sums the same fp32 products in another order at wider ones: tests/test_vnni.py
+bounds it); through fp32 (from `upcast` rows) it equals F.linear of the fp32 weight and input.
 pack_model replaces the plain linears (not kv_b_proj, not a tied head, not fp32 models where the fp32
 probe says no: tests/test_engine_packed_fp32.py covers the fp32 packing), packs the
 MoE experts in place (their plain weights become meta tensors), and unpack_model restores every

@@ -36,6 +36,7 @@ from torch import nn
 
 from mlakit.engine import compiled
 from mlakit.linear import Linear
+from mlakit.ops.vnni import VnniWeight, vnni_packs
 
 # weights read by mlakit itself as tensors (views), never packed
 KEEP_PLAIN = ("kv_b_proj",)
@@ -99,14 +100,21 @@ def _probe_fp32() -> bool:
     return True
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bf16 or fp32 weight -> oneDNN's blocked layout (a torch._mkldnn tensor)."""
+def prepack(weight: torch.Tensor) -> torch.Tensor | VnniWeight:
+    """[out, in] bf16 or fp32 weight -> a packed weight: mlakit's own layout for bf16 where `vnni_packs()`
+    (a VnniWeight), else oneDNN's blocked layout (a torch._mkldnn tensor). Both have `to_dense()`."""
     with torch.no_grad():
+        if weight.dtype == torch.bfloat16 and vnni_packs():
+            return VnniWeight(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_mm(
+    x: torch.Tensor, packed: torch.Tensor | VnniWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ Wᵀ (+ bias) with W prepacked (`prepack`); x [..., in] of the weight's dtype."""
+    if isinstance(packed, VnniWeight):
+        return packed.mm(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -126,6 +126,9 @@ class ModelRunner:
         self.moe_blocks = install_moe(model)
         # linears and experts prepacked where bf16 runs natively on this CPU (0: none, plain GEMMs)
         self.packed_modules = pack_model(model) if PACK else 0
+        if self.packed_modules:  # the absorbed folds' per-head products on packed copies of kv_b_proj
+            for mla in self.layers:
+                mla.pack_up()
         self.head = model.lm_head
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)

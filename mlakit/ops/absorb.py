@@ -23,6 +23,7 @@ from mlakit.ops.common import (
     softmax_lse,
 )
 from mlakit.ops.cpu_core import check_core, few_rows_fit, fold_heads, fused_latent, unfold_heads, use_fused
+from mlakit.ops.vnni import UpPacks
 
 # cached tokens per block of the online softmax (1024 × 512 fp32 latents = 2 MB)
 KEY_BLOCK = 1024
@@ -41,10 +42,12 @@ def absorb(
     key_mask: torch.Tensor | None = None,
     max_keys: int | None = None,
     core: str = "auto",
+    packs: UpPacks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mlakit.ops`. `max_keys` (a plan's bucket): attend over exactly that many keys, masked past
     kv_lens, without reading kv_lens back to the host. `core`: "auto" (the fused CPU core where it can
-    run), "fused" (that core or a ValueError saying why not), "torch"."""
+    run), "fused" (that core or a ValueError saying why not), "torch". `packs`: packed copies of w_uk
+    and w_uv (`mlakit.ops.vnni.UpPacks`) for the folds of bf16 rows on the CPU."""
     check_core(core)
     batch, new, heads, _ = q_nope.shape
     static = max_keys is not None
@@ -52,11 +55,11 @@ def absorb(
     if c_kv.shape[1] != keys:  # a plan's context already has exactly `keys` keys: no slice op
         c_kv, k_pe = c_kv[:, :keys], k_pe[:, :keys]
     cd = compute_dtype(c_kv.dtype, c_kv.device)
-    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd), packs)  # [B, S, H, L]
     q_pe = q_pe.to(cd)
     if use_fused(core, q_lat, c_kv, k_pe, key_mask):
         o_lat, lse = fused_latent(q_lat, q_pe, c_kv, k_pe, kv_lens, scale)
-        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+        return unfold_values(o_lat.to(cd), w_uv.to(cd), packs).to(q_nope.dtype), lse
     outs, lses = [], []
     step = query_chunk(heads * batch, min(keys, KEY_BLOCK), new)
     for start in range(0, new, step):
@@ -68,7 +71,7 @@ def absorb(
         lses.append(lse)
     o_lat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+    return unfold_values(o_lat.to(cd), w_uv.to(cd), packs).to(q_nope.dtype), lse
 
 
 # rows of one fused `unfold_heads` call, and up to how many rows it runs in such chunks rather than as a
@@ -78,9 +81,13 @@ UNFOLD_ROWS = 8
 UNFOLD_CHUNKED_ROWS = 64
 
 
-def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [B,S,H,dn] · W_UK[h] → [B,S,H,L]: one bmm over heads."""
+def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, packs: UpPacks | None = None) -> torch.Tensor:
+    """q_nope [B,S,H,dn] · W_UK[h] → [B,S,H,L]: one bmm over heads (or `packs.fold`: the packed copy
+    of W_UK the engine keeps, for bf16 rows on the CPU)."""
     batch, new, heads, dn = q_nope.shape
+    flat = q_nope.reshape(batch * new, heads, dn)
+    if packs is not None and packs.fold.fits(flat):
+        return packs.fold.mm(flat).view(batch, new, heads, -1)
     if w_uk.shape[-1] % 16 == 0 and few_rows_fit(q_nope, w_uk, batch * new):
         # a bf16 bmm over the strided per-head view of kv_b_proj copies the weight first
         return fold_heads(q_nope.reshape(batch * new, heads, dn), w_uk).view(batch, new, heads, -1)
@@ -89,10 +96,12 @@ def fold_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return q_lat.transpose(0, 1).reshape(batch, new, heads, -1)
 
 
-def unfold_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [B,S,H,L] · W_UV[h]ᵀ → [B,S,H,dv]."""
+def unfold_values(o_lat: torch.Tensor, w_uv: torch.Tensor, packs: UpPacks | None = None) -> torch.Tensor:
+    """o_lat [B,S,H,L] · W_UV[h]ᵀ → [B,S,H,dv] (or through `packs.unfold`, as `fold_queries`)."""
     batch, new, heads, latent = o_lat.shape
     rows = batch * new
+    if packs is not None and packs.unfold.fits(o_lat.reshape(rows, heads, latent)):
+        return packs.unfold.mm(o_lat.reshape(rows, heads, latent)).view(batch, new, heads, -1)
     if few_rows_fit(o_lat, w_uv, min(rows, UNFOLD_ROWS), limit=UNFOLD_ROWS) and rows <= UNFOLD_CHUNKED_ROWS:
         # the fused core takes 8 rows a call; each row's sums are its own, so chunks change nothing
         flat = o_lat.reshape(rows, heads, latent)

@@ -26,6 +26,7 @@ from mlakit.ops.absorb import (
 from mlakit.ops.common import acc_dtype, compute_dtype, context_mask, query_chunk
 from mlakit.ops.cpu_core import check_core, fused_latent, use_fused
 from mlakit.ops.merge import merge
+from mlakit.ops.vnni import UpPacks
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -47,13 +48,14 @@ def absorb_chunked(
     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     core: str = "auto",
     bias: torch.Tensor | None = None,
+    packs: UpPacks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`absorb` (see `mlakit.ops`) with the context given as a reader of key ranges. `max_keys` (a
     plan's bucket): read exactly that many keys, masked past kv_lens, no host read. `pages`: (c_kv
     rows [N, L], k_pe rows [N, dr], rows [B, >= keys] long) of an unquantized pool, for the fused core
     to read in place. `core`: as `absorb`'s. `bias` [B, S, max_keys] (a plan's additive mask, keys
     past kv_lens reading zeros): a context of one key block without autograd runs `biased_block` and
-    returns lse None."""
+    returns lse None. `packs`: as `absorb`'s."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     check_core(core)
@@ -64,10 +66,10 @@ def absorb_chunked(
     # the matmuls run in the compute dtype (fp32 for bf16 on a CPU without native bf16), as absorb's
     cd = compute_dtype(q_nope.dtype, q_nope.device)
     if pages is not None and use_fused(core, q_nope, pages[0], pages[1]):  # pages read in place
-        q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+        q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd), packs)  # [B, S, H, L]
         rows = pages[2][:, :keys]
         o_lat, lse = fused_latent(q_lat, q_pe.to(cd), pages[0], pages[1], kv_lens, scale, rows=rows)
-        return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+        return unfold_values(o_lat.to(cd), w_uv.to(cd), packs).to(q_nope.dtype), lse
     if (
         bias is not None
         and keys <= min(chunk_tokens, KEY_BLOCK)
@@ -77,13 +79,13 @@ def absorb_chunked(
         # fp32/fp64 (no fused core, nothing to convert): the one-block form straight away
         c_kv, k_pe = read(0, keys)
         return absorb_one_block(q_nope, q_pe, c_kv, k_pe, bias, w_uk, w_uv, scale), None
-    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd))  # [B, S, H, L]
+    q_lat = fold_queries(q_nope.to(cd), w_uk.to(cd), packs)  # [B, S, H, L]
     q_pe = q_pe.to(cd)
     if bias is not None and keys <= min(chunk_tokens, KEY_BLOCK) and not _records(q_lat):
         c_kv, k_pe = read(0, keys)
         if not use_fused(core, q_lat, c_kv, k_pe):
             o_lat = biased_block(q_lat, q_pe, c_kv, k_pe, bias, scale)
-            return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), None
+            return unfold_values(o_lat.to(cd), w_uv.to(cd), packs).to(q_nope.dtype), None
     o_lat, lse = None, None
     for start in range(0, keys, chunk_tokens):
         stop = min(keys, start + chunk_tokens)
@@ -93,7 +95,7 @@ def absorb_chunked(
         else:
             part = _attend_keys(q_lat, q_pe, c_kv, k_pe, kv_lens, start, scale, static)
         o_lat, lse = part if o_lat is None else merge([o_lat, part[0]], [lse, part[1]])
-    return unfold_values(o_lat.to(cd), w_uv.to(cd)).to(q_nope.dtype), lse
+    return unfold_values(o_lat.to(cd), w_uv.to(cd), packs).to(q_nope.dtype), lse
 
 
 def _records(q_lat: torch.Tensor) -> bool:
