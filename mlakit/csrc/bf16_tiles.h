@@ -152,4 +152,58 @@ inline void mix_block(const uint32_t* vp, int width, int nn, const uint32_t* pt,
   }
 }
 
+
+// 16 x 16 32-bit elements transposed in registers: r[i][j] -> r[j][i]
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < 4; ++i) {
+      v[8 * g + i] = _mm512_shuffle_i32x4(u[8 * g + i], u[8 * g + 4 + i], 0x88);
+      v[8 * g + 4 + i] = _mm512_shuffle_i32x4(u[8 * g + i], u[8 * g + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(v[i], v[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(v[i], v[8 + i], 0xdd);
+  }
+}
+
+// qp[k][r] = row(r)[k] (32-bit pairs) for k < kn and r < nr; rows nr .. nrp (a multiple of 16) zero
+template <class Row>
+inline void transpose_pairs(Row row, int nr, int nrp, int kn, uint32_t* qp, int64_t ld) {
+  __m512i r[16];
+  for (int r0 = 0; r0 < nrp; r0 += 16)
+    for (int k0 = 0; k0 < kn; k0 += 16) {
+      const int kc = std::min(16, kn - k0);
+      const __mmask16 live = (__mmask16)(kc == 16 ? 0xFFFF : (1u << kc) - 1);
+      for (int i = 0; i < 16; ++i)
+        r[i] = r0 + i < nr ? _mm512_maskz_loadu_epi32(live, row(r0 + i) + k0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int j = 0; j < kc; ++j) _mm512_storeu_si512(qp + (int64_t)(k0 + j) * ld + r0, r[j]);
+    }
+}
+
+// out(r) [width] = scale[r] * ot[:, r] for r < nr: ot [width][ld] (width a multiple of 16) read back
+// as rows, 16 x 16 blocks transposed in registers; store(r, l0, x) writes 16 values of row r
+template <class Store>
+inline void untranspose(const float* ot, int64_t ld, int nr, int width, const float* scale, Store store) {
+  __m512i r[16];
+  for (int r0 = 0; r0 < nr; r0 += 16)
+    for (int l0 = 0; l0 < width; l0 += 16) {
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(ot + (int64_t)(l0 + i) * ld + r0);
+      transpose16(r);
+      for (int j = 0; j < 16 && r0 + j < nr; ++j)
+        store(r0 + j, l0, _mm512_mul_ps(_mm512_castsi512_ps(r[j]), _mm512_set1_ps(scale[r0 + j])));
+    }
+}
+
 }  // namespace mlakit_tiles

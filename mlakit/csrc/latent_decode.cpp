@@ -154,27 +154,25 @@ void attend_part(const Problem& p, int64_t b, int64_t k0, int64_t k1, float* o, 
   for (int r = 0; r < p.NR; ++r) {
     const bool none = !(s.d[r] > 0.0f);
     lse[r] = none ? NEG_INF : s.m[r] + std::log(s.d[r]);
-    const float inv = none ? 0.0f : 1.0f / s.dr[r];
-    for (int l = 0; l < p.L; ++l) o[(int64_t)r * p.L + l] = s.ot[(int64_t)l * p.NRp + r] * inv;
+    s.alpha[r] = none ? 0.0f : 1.0f / s.dr[r];  // alpha's last use was the last block: the row scales
   }
+  untranspose(s.ot.data(), p.NRp, p.NR, p.L, s.alpha.data(),
+              [&](int r, int l0, __m512 x) { _mm512_storeu_ps(o + (int64_t)r * p.L + l0, x); });
 }
 
 // q_lat [B, NR, L], q_pe [B, NR, R] (bf16) -> [B][KP][NRp] pairs, padding rows zero
 void pack_queries(const at::Tensor& q_lat, const at::Tensor& q_pe, Problem& p, std::vector<uint32_t>& buf) {
   const int64_t B = q_lat.size(0);
-  buf.assign((size_t)B * p.KP * p.NRp, 0u);
+  buf.resize((size_t)B * p.KP * p.NRp);  // every entry written below (padding rows zero)
   const auto* ql = reinterpret_cast<const uint32_t*>(q_lat.data_ptr<at::BFloat16>());
   const auto* qr = reinterpret_cast<const uint32_t*>(q_pe.data_ptr<at::BFloat16>());
   const int kpl = p.L / 2, kpr = p.R / 2;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       uint32_t* out = buf.data() + (size_t)b * p.KP * p.NRp;
-      for (int r = 0; r < p.NR; ++r) {
-        const uint32_t* a = ql + ((size_t)b * p.NR + r) * kpl;
-        const uint32_t* c = qr + ((size_t)b * p.NR + r) * kpr;
-        for (int k = 0; k < kpl; ++k) out[(size_t)k * p.NRp + r] = a[k];
-        for (int k = 0; k < kpr; ++k) out[(size_t)(kpl + k) * p.NRp + r] = c[k];
-      }
+      transpose_pairs([&](int r) { return ql + ((size_t)b * p.NR + r) * kpl; }, p.NR, p.NRp, kpl, out, p.NRp);
+      transpose_pairs([&](int r) { return qr + ((size_t)b * p.NR + r) * kpr; }, p.NR, p.NRp, kpr,
+                      out + (size_t)kpl * p.NRp, p.NRp);
     }
   });
   p.qpack = buf.data();

@@ -54,26 +54,15 @@ struct Scratch {
   }
 };
 
-// queries q0 .. q0 + nq of head h in pairs: qp[kp][r] (q_nope's pairs, then q_pe's), padding rows
-// zero; 16 rows a gather (indices in bf16 elements: any strides)
-void pack_part(const uint16_t* q0p, int64_t ld, int kpn, int nq, uint32_t* qp) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)ld));
-  for (int r0 = 0; r0 < QB; r0 += 16) {
-    const int live = std::max(0, std::min(16, nq - r0));
-    const __mmask16 mask = (__mmask16)((1u << live) - 1);
-    const uint16_t* base = q0p + r0 * ld;
-    for (int k = 0; k < kpn; ++k) {
-      const __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, base + 2 * k, 2);
-      _mm512_storeu_si512(qp + (size_t)k * QB + r0, x);
-    }
-  }
-}
-
+// queries q0 .. q0 + nq of head h in pairs: qp[kp][r] (q_nope's pairs, then q_pe's), padding rows zero
 void pack_block(const Prefill& p, Scratch& s, int64_t b, int64_t h, int q0, int nq) {
   const int kpn = p.DN / 2;
-  pack_part(p.qn + b * p.qn_b + q0 * p.qn_s + h * p.qn_h, p.qn_s, kpn, nq, s.qp.data());
-  pack_part(p.qr + b * p.qr_b + q0 * p.qr_s + h * p.qr_h, p.qr_s, p.DR / 2, nq, s.qp.data() + (size_t)kpn * QB);
+  const uint16_t* qn = p.qn + b * p.qn_b + h * p.qn_h;
+  const uint16_t* qr = p.qr + b * p.qr_b + h * p.qr_h;
+  transpose_pairs([&](int r) { return reinterpret_cast<const uint32_t*>(qn + (q0 + r) * p.qn_s); }, nq, QB, kpn,
+                  s.qp.data(), QB);
+  transpose_pairs([&](int r) { return reinterpret_cast<const uint32_t*>(qr + (q0 + r) * p.qr_s); }, nq, QB,
+                  p.DR / 2, s.qp.data() + (size_t)kpn * QB, QB);
 }
 
 // scores of keys [k0, k0 + n) against the block's rows, masked past each row's limit, into s.st
@@ -134,19 +123,13 @@ void attend_block(const Prefill& p, int64_t b, int64_t h, int q0, int nq, Out* o
     pair_rows([&](int t) { return vh + (kb + t) * p.v_t; }, n, nn, p.DV, s.vp.data());
     mix_block(s.vp.data(), p.DV, nn, s.pt.data(), QB, QB, s.ot.data(), s.alpha.data());
   }
-  // each row's column of ot, 16 values a gather, normalized by the rounded probabilities' sum
-  const __m512i col = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(QB));
   for (int r = 0; r < nq; ++r) {
     const bool none = !(s.d[r] > 0.0f);
-    const __m512 inv = _mm512_set1_ps(none ? 0.0f : 1.0f / s.dr[r]);
-    Out* o = out + (int64_t)r * p.H * p.DV;
-    for (int l = 0; l < p.DV; l += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(col, s.ot.data() + (int64_t)l * QB + r, 4), inv);
-      store16(o + l, x);
-    }
     if (lse != nullptr) lse[(int64_t)r * p.H] = none ? NEG_INF : s.m[r] + std::log(s.d[r]);
+    s.alpha[r] = none ? 0.0f : 1.0f / s.dr[r];  // alpha's last use was the last block: the row scales
   }
+  untranspose(s.ot.data(), QB, nq, p.DV, s.alpha.data(),
+              [&](int r, int l0, __m512 x) { store16(out + (int64_t)r * p.H * p.DV + l0, x); });
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "prefill_attention: ", what); }
