@@ -280,6 +280,49 @@ def test_packed_bf16_experts(monkeypatch):
     assert all(m.packed is not None for m in model.modules() if isinstance(m, GroupedMoE))
 
 
+# (tokens, forced routing or None): a decode step's few rows, a prefill chunk's many, one expert for
+# every token (the others unpicked), an expert picked by every row
+FUSED_CASES = {"rows-1": (1, None), "rows-5": (5, None), "rows-70": (70, None), "one-expert": (9, "one")}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES), ids=list(FUSED_CASES))
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_fused_block_equals_the_unfused_one(family, case, monkeypatch):
+    """Released packs in mlakit's layout run the block after routing as one op (`moe_experts`): the
+    same bf16 products, gating and fp32 sums as the op-by-op path (the SiLU's exp differs in its last
+    bits: at most one bf16 rounding apart), and within the bf16 bound of fp64."""
+    from mlakit.ops.vnni import vnni_packs
+
+    if not vnni_packs():
+        pytest.skip("no packed layout of mlakit's on this CPU: the op-by-op path runs")
+    tokens, forced = FUSED_CASES[case]
+    block = make_block(family, routing_of(family, 0), dtype=torch.bfloat16)
+    x = torch.randn(1, tokens, WIDTHS["hidden_size"]).to(torch.bfloat16)
+    with torch.no_grad():
+        _, w, i = block.gate(x.view(-1, x.shape[-1]))
+    if forced == "one":
+        i = torch.full_like(i, 5)
+        i[:, 1:] = torch.arange(
+            1, i.shape[1]
+        )  # expert 5 first for all, then 1, 2, ...: 0, 3, 4, 6, 7 unpicked
+    block.gate = ForcedRouter(w, i)
+    fused, unfused = GroupedMoE(copy.deepcopy(block)), GroupedMoE(copy.deepcopy(block))
+    assert fused.pack(release=True) and unfused.pack(release=True)
+    calls, run = [], GroupedMoE._fused_experts
+    monkeypatch.setattr(GroupedMoE, "_fused_experts", lambda self, *a: calls.append(1) or run(self, *a))
+    with torch.no_grad():
+        got = fused(x)
+        monkeypatch.setattr(GroupedMoE, "_fused", lambda self, packed, x: False)
+        want = unfused(x)
+    assert calls, "the fused op did not run"
+    ref_block = copy.deepcopy(block).double()
+    ref_block.gate = ForcedRouter(w.double(), i)
+    ref = transformers_out(ref_block, x.double(), "eager")
+    scale = ref.abs().max().item()
+    assert (got.double() - want.double()).abs().max().item() <= 2**-7 * scale
+    assert (got.double() - ref).abs().max().item() <= BF16_BOUND * scale
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_traceable_for_compile(dtype):
     """Under torch.compile(fullgraph=True) the block takes its sync-free path (offsets as a tensor,

@@ -11,8 +11,13 @@
 
 #include <immintrin.h>
 
+#include "bf16_tiles.h"
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -110,11 +115,169 @@ at::Tensor vnni_heads(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
   return y;
 }
 
+
+// ---- the routed and shared experts of one MoE block over packed weights (a decode step's few rows per
+// expert: one call instead of a few small ops per expert) ----
+
+struct Product {  // one block of one product: rows [M] of x against one packed block into y
+  const uint32_t* x;
+  int64_t ldx;
+  const uint32_t* w;
+  int64_t kp, M;
+  uint16_t* y;
+  int64_t ldy;
+  int live;
+};
+
+void products(const std::vector<Product>& items) {
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Product& q = items[i];
+      for (int64_t m0 = 0; m0 < q.M; m0 += 8) {
+        const int mt = (int)std::min<int64_t>(8, q.M - m0);
+        TILES[mt](q.x + m0 * q.ldx, q.ldx, q.w, q.kp, nullptr, q.y + m0 * q.ldy, q.ldy, q.live);
+      }
+    }
+  });
+}
+
+// the blocks of y [M, N] = x [M, K] . W^T (packed [ceil(N/32), K/2, 64]) appended to items
+void add_blocks(std::vector<Product>& items, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                int64_t N, uint16_t* y) {
+  const int64_t kp = K / 2, blocks = (N + NB - 1) / NB;
+  for (int64_t b = 0; b < blocks; ++b)
+    items.push_back({reinterpret_cast<const uint32_t*>(x), kp, reinterpret_cast<const uint32_t*>(w) + b * kp * NB, kp,
+                     M, y + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB)});
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even) and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+inline __mmask16 tail(int64_t left) { return (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+
+// act [rows, I] = silu(gate) * up of h [rows, 2I] (gate first), each rounded to bf16 as torch's bf16 ops
+void silu_gate(const uint16_t* h, int64_t rows, int64_t I, uint16_t* act) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < I; j += 16) {
+        const __mmask16 m = tail(I - j);
+        const __m512 g = load_bf16(h + r * 2 * I + j, m), u = load_bf16(h + r * 2 * I + I + j, m);
+        const __m512 e = mlakit_tiles::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        _mm256_mask_storeu_epi16(act + r * I + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
+      }
+  });
+}
+
+// x [n, D] bf16; index [n, k] int64 and weights [n, k] fp32 (the family's routing); gate_up [E,
+// ceil(2I/32), D/2, 64] and down [E, ceil(D/32), I/2, 64] packed per expert; the shared experts' MLP
+// (gate and up rows stacked) packed the same way, or undefined. Returns shared + sum over a token's
+// pairs of weight x expert output, summed in fp32 in the order of the pairs sorted by expert (each
+// product rounded to bf16 first, as the unfused path's bf16 GEMMs are)
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down, const c10::optional<at::Tensor>& shared_gate_up,
+                       const c10::optional<at::Tensor>& shared_down, int64_t I, int64_t Is) {
+  check(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x [n, D] bf16 contiguous");
+  check(index.dim() == 2 && index.scalar_type() == at::kLong && index.is_contiguous() && index.size(0) == x.size(0),
+        "index [n, k] int64 contiguous");
+  check(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == index.sizes(),
+        "weights [n, k] fp32 contiguous");
+  const int64_t n = x.size(0), D = x.size(1), k = index.size(1), E = gate_up.size(0), S = n * k;
+  check(D % 2 == 0 && I % 2 == 0 && I > 0, "hidden and intermediate widths must be even");
+  check(gate_up.dim() == 4 && gate_up.is_contiguous() && gate_up.size(1) == (2 * I + NB - 1) / NB &&
+            gate_up.size(2) == D / 2 && gate_up.scalar_type() == at::kBFloat16,
+        "gate_up [E, ceil(2I/32), D/2, 64] bf16");
+  check(down.dim() == 4 && down.is_contiguous() && down.size(0) == E && down.size(1) == (D + NB - 1) / NB &&
+            down.size(2) == I / 2 && down.scalar_type() == at::kBFloat16,
+        "down [E, ceil(D/32), I/2, 64] bf16");
+  const bool shared = shared_gate_up.has_value() && shared_gate_up->defined();
+  if (shared) {
+    check(Is % 2 == 0 && Is > 0 && shared_gate_up->is_contiguous() && shared_gate_up->size(0) == (2 * Is + NB - 1) / NB &&
+              shared_gate_up->size(1) == D / 2,
+          "shared gate_up [ceil(2Is/32), D/2, 64]");
+    check(shared_down.has_value() && shared_down->is_contiguous() && shared_down->size(0) == (D + NB - 1) / NB &&
+              shared_down->size(1) == Is / 2,
+          "shared down [ceil(D/32), Is/2, 64]");
+  }
+  const int64_t* idx = index.data_ptr<int64_t>();
+  const float* wts = weights.data_ptr<float>();
+  // pairs sorted by expert, stable: pos[p] is pair p's place, order[i] the pair at place i
+  std::vector<int64_t> count(E + 1, 0), order(S), pos(S);
+  for (int64_t p = 0; p < S; ++p) {
+    check(idx[p] >= 0 && idx[p] < E, "an expert index is out of range");
+    ++count[idx[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
+  {
+    std::vector<int64_t> next(count.begin(), count.end() - 1);
+    for (int64_t p = 0; p < S; ++p) {
+      pos[p] = next[idx[p]]++;
+      order[pos[p]] = p;
+    }
+  }
+  const auto opts = x.options();
+  at::Tensor xs = at::empty({S, D}, opts), h = at::empty({S, 2 * I}, opts), act = at::empty({S, I}, opts);
+  at::Tensor yr = at::empty({S, D}, opts);
+  at::Tensor hs, acts, ys;
+  if (shared) hs = at::empty({n, 2 * Is}, opts), acts = at::empty({n, Is}, opts), ys = at::empty({n, D}, opts);
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const uint16_t* xp = bits(x);
+  uint16_t* xsp = bits(xs);
+  at::parallel_for(0, S, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) std::memcpy(xsp + i * D, xp + (order[i] / k) * D, D * 2);
+  });
+  const uint16_t* gu = bits(gate_up);
+  const uint16_t* dn = bits(down);
+  const int64_t gu_e = gate_up.stride(0), dn_e = down.stride(0);
+  std::vector<Product> items;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e])
+      add_blocks(items, xsp + count[e] * D, count[e + 1] - count[e], D, gu + e * gu_e, 2 * I, bits(h) + count[e] * 2 * I);
+  if (shared) add_blocks(items, xp, n, D, bits(*shared_gate_up), 2 * Is, bits(hs));
+  products(items);
+  silu_gate(bits(h), S, I, bits(act));
+  if (shared) silu_gate(bits(hs), n, Is, bits(acts));
+  items.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e])
+      add_blocks(items, bits(act) + count[e] * I, count[e + 1] - count[e], I, dn + e * dn_e, D, bits(yr) + count[e] * D);
+  if (shared) add_blocks(items, bits(acts), n, Is, bits(*shared_down), D, bits(ys));
+  products(items);
+  at::Tensor out = at::empty({n, D}, opts);
+  uint16_t* op = bits(out);
+  const uint16_t* yrp = bits(yr);
+  const uint16_t* ysp = shared ? bits(ys) : nullptr;
+  at::parallel_for(0, n, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> at(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) at[j] = pos[t * k + j];
+      std::sort(at.begin(), at.end());
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = tail(D - d);
+        __m512 a = ysp ? load_bf16(ysp + t * D + d, m) : _mm512_setzero_ps();
+        for (int64_t i : at)  // each product exact in fp32, then one add: index_add_'s arithmetic
+          a = _mm512_add_ps(a, _mm512_mul_ps(load_bf16(yrp + i * D + d, m), _mm512_set1_ps(wts[order[i]])));
+        _mm256_mask_storeu_epi16(op + t * D + d, m, (__m256i)_mm512_cvtneps_pbh(a));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
   m.def("vnni_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
   m.impl("vnni_linear", c10::DispatchKey::CPU, TORCH_FN(vnni_linear));
   m.def("vnni_heads(Tensor x, Tensor packed, int N) -> Tensor");
+  m.def(
+      "moe_experts(Tensor x, Tensor index, Tensor weights, Tensor gate_up, Tensor down, Tensor? shared_gate_up, "
+      "Tensor? shared_down, int I, int Is) -> Tensor");
+  m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
   m.impl("vnni_heads", c10::DispatchKey::CPU, TORCH_FN(vnni_heads));
 }

@@ -60,6 +60,13 @@ class VnniWeight:
         self.out_features, self.in_features = weight.shape
         self.packed = pack(weight)
 
+    @classmethod
+    def wrap(cls, packed: torch.Tensor, out_features: int, in_features: int) -> VnniWeight:
+        """A VnniWeight over an existing packed tensor (a slice of a stack of experts' packs)."""
+        w = cls.__new__(cls)
+        w.out_features, w.in_features, w.packed = out_features, in_features, packed
+        return w
+
     def to_dense(self) -> torch.Tensor:
         return unpack(self.packed, self.out_features, self.in_features)
 
