@@ -176,3 +176,58 @@ def test_two_level_agrees_with_one_running_sum(monkeypatch):
     blocked = inverse_cdf(rows, u)
     # the two differ only where u falls within fp32 rounding of a block sum of a boundary
     assert (flat == blocked).float().mean() > 0.999
+
+
+def need_fused_draw():
+    from mlakit.ops import cpu_core
+
+    if not cpu_core.available(torch.bfloat16):
+        pytest.skip(f"fused core unavailable: {cpu_core.unavailable_reason()}")
+
+
+def test_fused_draw_from_logits_draws_from_the_tempered_softmax():
+    """`inverse_cdf_logits` (csrc/sample.cpp) on rows of 5,000 logits: frequencies against
+    softmax(x / 0.7) (with 1,000 tokens at -inf, never drawn), the top of [0, 1) included."""
+    need_fused_draw()
+    g = torch.Generator().manual_seed(11)
+    v = 5000
+    logits = torch.randn(v, generator=g) * 3
+    logits[torch.randperm(v, generator=g)[:1000]] = float("-inf")
+    p = (logits / 0.7).softmax(-1)
+    n = 100_000
+    u = torch.rand(n, dtype=torch.float64, generator=g)
+    u[0] = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    inv = torch.full((n,), 1 / 0.7)
+    tokens = torch.ops.mlakit_cpu.inverse_cdf_logits(logits.expand(n, -1), inv, u)
+    counts = torch.bincount(tokens, minlength=v)
+    assert counts[p == 0].sum() == 0
+    stat, dof = chi_square(counts, p)
+    assert within_chi_square(stat, dof), (stat, dof)
+    # the same uniforms through the torch path's two-level sum: the same tokens but where u falls
+    # within fp32 rounding of a boundary
+    same = inverse_cdf((logits / 0.7).softmax(-1).expand(20_000, -1), u[:20_000])
+    assert (same == tokens[:20_000]).float().mean() > 0.999
+    none = torch.full((1, v), float("-inf"))  # no token has weight: the torch path's clamp, V - 1
+    assert torch.ops.mlakit_cpu.inverse_cdf_logits(none, torch.ones(1), u[:1]).tolist() == [v - 1]
+
+
+def test_sample_draws_wide_rows_in_one_op(monkeypatch):
+    """sample() sends rows wider than two CDF blocks to the fused draw (temperature folded in, or
+    after top-k / top-p / min-p), seeded rows still their own."""
+    need_fused_draw()
+    import mlakit.engine.sampler as sampler
+
+    calls = []
+    monkeypatch.setattr(sampler, "_fused_draw", lambda x: calls.append(x.shape) or True)
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(1, 3000, generator=g) * 2
+    for sp in (SamplingParams(temperature=0.6), SamplingParams(temperature=1.2, top_k=50, min_p=0.01)):
+        want = _filter(logits, [sp]).softmax(-1)[0]
+        rows = 20_000
+        tokens, _ = sample(logits.expand(rows, -1).clone(), [sp] * rows, [None] * rows, torch.Generator())
+        counts = torch.bincount(torch.tensor(tokens), minlength=3000)
+        assert counts[want == 0].sum() == 0
+        stat, dof = chi_square(counts, want)
+        assert within_chi_square(stat, dof), (stat, dof)
+    assert len(calls) == 2
+    test_greedy_rows_beside_sampled_rows_and_seeded_rows_independent_of_the_rest()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from mlakit.engine.params import SamplingParams
+from mlakit.ops import cpu_core
 
 
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -147,10 +148,29 @@ def sample(
         tokens[g_idx] = logits[g_idx].argmax(-1)
     idx = torch.tensor(rows, device=dev)
     picked = logits if not greedy else logits[idx]  # no copy of the logits when every row samples
-    probs = _filter(picked, [params[i] for i in rows]).softmax(-1)
-    tokens[idx] = inverse_cdf(probs, _uniforms([generators[i] for i in rows], shared, dev))
+    sampled = [params[i] for i in rows]
+    u = _uniforms([generators[i] for i in rows], shared, dev)
+    if _fused_draw(picked):
+        # from the logits in one op: temperature, exp and the running sums without the softmax's copies
+        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampled)
+        x = _filter(picked, sampled) if filtered else picked
+        inv = torch.tensor([1.0 if filtered else 1.0 / p.temperature for p in sampled], dtype=torch.float32)
+        tokens[idx] = torch.ops.mlakit_cpu.inverse_cdf_logits(x.float().contiguous(), inv, u)
+    else:
+        tokens[idx] = inverse_cdf(_filter(picked, sampled).softmax(-1), u)
     chosen = tokens.tolist()
     return chosen, _logprobs(raw, params, chosen)
+
+
+def _fused_draw(x: torch.Tensor) -> bool:
+    """Whether `inverse_cdf_logits` (mlakit/csrc/sample.cpp) draws these rows: fp32 logits on a CPU
+    where the bf16 core is loaded, rows wider than two CDF blocks (the two-level sum it computes)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[-1] > 2 * CDF_BLOCK
+        and cpu_core.available(torch.bfloat16)
+    )
 
 
 def _uniforms(generators: list, shared: torch.Generator, device) -> torch.Tensor:

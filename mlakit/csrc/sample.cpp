@@ -1,0 +1,91 @@
+// One draw per row from softmax(x * inv_temp) by its inverse CDF, straight from the logits (AVX-512):
+// the sampler's two-level running sum (mlakit/engine/sampler.py: inverse_cdf) without the softmax
+// and its copies. Per row: the max; exp((x - max) * inv_temp) summed in fp32 per block of 1,024
+// tokens, the block sums' running sum in fp64; the target u x total (kept below the total); the
+// block it falls in, rescanned with an fp64 running sum against the target's share of that block.
+// A token of weight 0 (a logit of -inf) is never drawn; a row whose weights are all 0 gives V - 1,
+// as the torch path's clamp does.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "bf16_tiles.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 1024;  // mlakit/engine/sampler.py: CDF_BLOCK
+
+inline __mmask16 tail(int64_t left) { return (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+
+inline __m512 weights(const float* x, int64_t i, __mmask16 m, __m512 top, __m512 it) {
+  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(mlakit_tiles::NEG_INF), m, x + i);
+  return _mm512_maskz_mov_ps(m, mlakit_tiles::exp512(_mm512_mul_ps(_mm512_sub_ps(v, top), it)));
+}
+
+int64_t draw(const float* x, int64_t V, float it, double u, std::vector<double>& cdf) {
+  __m512 mx = _mm512_set1_ps(mlakit_tiles::NEG_INF);
+  for (int64_t i = 0; i < V; i += 16)
+    mx = _mm512_mask_max_ps(mx, tail(V - i), mx, _mm512_loadu_ps(x + i));
+  const float top = _mm512_reduce_max_ps(mx);
+  if (!(top > mlakit_tiles::NEG_INF)) return V - 1;  // no token has weight (or NaN)
+  const __m512 vt = _mm512_set1_ps(top), vi = _mm512_set1_ps(it);
+  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  cdf.resize(blocks);
+  double run = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = b * BLOCK; i < std::min(V, (b + 1) * BLOCK); i += 16)
+      s = _mm512_add_ps(s, weights(x, i, tail(std::min(V, (b + 1) * BLOCK) - i), vt, vi));
+    run += (double)_mm512_reduce_add_ps(s);
+    cdf[b] = run;
+  }
+  const double target = std::min(u * run, std::nextafter(run, 0.0));
+  const int64_t b = std::min<int64_t>(blocks - 1, std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin());
+  const double before = b ? cdf[b - 1] : 0.0, mass = cdf[b] - before;
+  const double share = mass > 0 ? std::min(1.0, std::max(0.0, (target - before) / mass)) : 0.0;
+  // the block in fp64: its own total, the target at its share
+  const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
+  alignas(64) float w[BLOCK];
+  for (int64_t i = lo; i < hi; i += 16) _mm512_storeu_ps(w + (i - lo), weights(x, i, tail(hi - i), vt, vi));
+  double total = 0.0;
+  for (int64_t i = 0; i < hi - lo; ++i) total += (double)w[i];
+  const double inner = std::min(share * total, std::nextafter(total, 0.0));
+  double acc = 0.0;
+  for (int64_t i = 0; i < hi - lo; ++i) {
+    acc += (double)w[i];
+    if (acc > inner) return lo + i;
+  }
+  return hi - 1;
+}
+
+// x [R, V] fp32 logits (rows contiguous), inv_temp [R] fp32, u [R] fp64 uniforms in [0, 1) -> [R] int64
+at::Tensor inverse_cdf_logits(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& u) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "inverse_cdf_logits: x [R, V] fp32");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 && inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == R,
+              "inverse_cdf_logits: inv_temp [R] fp32");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == R, "inverse_cdf_logits: u [R] fp64");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  const float* it = inv_temp.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<double> cdf;
+    for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * x.stride(0), V, it[r], up[r], cdf);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
+  m.def("inverse_cdf_logits(Tensor x, Tensor inv_temp, Tensor u) -> Tensor");
+  m.impl("inverse_cdf_logits", c10::DispatchKey::CPU, TORCH_FN(inverse_cdf_logits));
+}
