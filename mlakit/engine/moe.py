@@ -22,10 +22,9 @@ layout, or mlakit's own where `mlakit.ops.vnni.vnni_packs()`) for segments of at
 (GroupedMoE.pack). Released packs in mlakit's layout (the engine's eager steps) run everything after the
 router as one op (`moe_experts`, csrc/vnni_linear.cpp: the same products, SiLU gating and fp32 sums,
 without a handful of small ops per expert: a demo block at 8 decode rows 1.63 -> 1.28 ms, one thread).
-Under torch.compile the block takes a
-sync-free path (GroupedMoE._traced) so a fullgraph compiled step can hold it. benchmarks/moe.py
-measures it against transformers' experts implementations ("eager", "batched_mm", "grouped_mm", the
-last being transformers' default); docs/engine.md has the figures.
+Under torch.compile the block takes a sync-free path (GroupedMoE._traced) so a fullgraph compiled step
+can hold it. benchmarks/moe.py measures it against transformers' experts implementations ("eager",
+"batched_mm", "grouped_mm", the last being transformers' default); docs/engine.md has the figures.
 """
 
 from __future__ import annotations
