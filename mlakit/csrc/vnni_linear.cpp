@@ -21,7 +21,8 @@
 
 namespace {
 
-constexpr int NB = 32;  // output columns per block
+constexpr int NB = 32;     // output columns per block
+constexpr int64_t ROWS = 256;  // rows of x a pass over the weight takes at most
 
 // MT rows x 32 columns over the block's kp pairs; y rows of ldy, columns [n0, n0 + live)
 template <int MT>
@@ -91,10 +92,15 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   }
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // a few blocks a task: each is kp x 128 bytes read once
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    run(pairs(x), x.stride(0) / 2, 0, pairs(packed), blocks, kp, M, N, b, yp, N, b0, b1);
-  });
+  // a few blocks a task: each is kp x 128 bytes read once for all rows; many rows go ROWS at a time
+  // (their pairs stay in L2 while every block passes, instead of all rows streaming once a block)
+  const int64_t ldx = x.stride(0) / 2;
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+    const int64_t mc = std::min<int64_t>(ROWS, M - m0);
+    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+      run(pairs(x) + m0 * ldx, ldx, 0, pairs(packed), blocks, kp, mc, N, b, yp + m0 * N, N, b0, b1);
+    });
+  }
   return y;
 }
 
@@ -127,9 +133,13 @@ struct Product {  // one block of one product: rows [M] of x against one packed 
   uint16_t* y;
   int64_t ldy;
   int live;
+  int64_t block;  // its index in its product
 };
 
-void products(const std::vector<Product>& items) {
+// the items in the order each product's first blocks, then each one's second blocks, ...: the
+// contiguous shares at::parallel_for hands each thread mix every product (experts' row counts differ)
+void products(std::vector<Product>& items) {
+  std::stable_sort(items.begin(), items.end(), [](const Product& a, const Product& b) { return a.block < b.block; });
   at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Product& q = items[i];
@@ -147,7 +157,7 @@ void add_blocks(std::vector<Product>& items, const uint16_t* x, int64_t M, int64
   const int64_t kp = K / 2, blocks = (N + NB - 1) / NB;
   for (int64_t b = 0; b < blocks; ++b)
     items.push_back({reinterpret_cast<const uint32_t*>(x), kp, reinterpret_cast<const uint32_t*>(w) + b * kp * NB, kp,
-                     M, y + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB)});
+                     M, y + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB), b});
 }
 
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
