@@ -18,7 +18,7 @@ from mlakit.config import MLAConfig
 from mlakit.dispatch import check_mode
 from mlakit.indexer import Indexer
 from mlakit.linear import Linear, call
-from mlakit.ops import absorb, materialize
+from mlakit.ops import absorb, cpu_core, materialize
 from mlakit.ops.common import compute_dtype
 from mlakit.ops.materialize import DEFAULT_WORKSPACE_TOKENS
 from mlakit.ops.paged import absorb_chunked
@@ -42,10 +42,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_norm(x, self.weight):
+            # the same arithmetic in one pass per row (csrc/rows.cpp; the squares summed in another order)
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.ops.mlakit_cpu.rms_norm(
+                rows if rows.stride(-1) == 1 else rows.contiguous(), self.weight, self.eps
+            ).view(x.shape)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32  # promote, never demote
         xf = x if x.dtype is work else x.to(work)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf if x.dtype is work else xf.to(x.dtype))
+
+
+def _fused_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-pass RMSNorm takes x: bf16 x and weight on a CPU where the bf16 core runs, no
+    autograd, not traced."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.compiler.is_compiling()
+        and cpu_core.available(torch.bfloat16)
+    )
 
 
 def project_unrotated(

@@ -1,6 +1,7 @@
 """mlakit's packed bf16 weights (mlakit/ops/vnni.py, csrc/vnni_linear.cpp): the layout round trip, the
 product against fp64 and F.linear at every row count a step gives, per-head folds and unfolds, the
-layer's packs and when they are not used. Skips where the bf16 core cannot run, saying why."""
+layer's packs and when they are not used; the one-pass RMSNorm (csrc/rows.cpp) and the engine's swap
+of transformers' norms. Skips where the bf16 core cannot run, saying why."""
 
 from __future__ import annotations
 
@@ -125,3 +126,54 @@ def test_refusals():
         VnniWeight(torch.randn(4, 4))
     with pytest.raises(ValueError, match="HeadWeights: weights must be a 3-d bf16 CPU tensor"):
         HeadWeights(torch.randn(2, 4, 4).bfloat16()[0])
+
+
+@pytest.mark.parametrize("width", [1024, 100, 17])
+def test_one_pass_rms_norm_equals_transformers(width):
+    """csrc/rows.cpp's RMSNorm against transformers' DeepseekV3RMSNorm in bf16: within one bf16
+    rounding (the squares summed in another order), nearly every value identical."""
+    need_core()
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    g = torch.Generator().manual_seed(width)
+    norm = DeepseekV3RMSNorm(width, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(width, generator=g))
+        x = (3 * torch.randn(37, width, generator=g)).bfloat16()
+        want = norm(x)
+        got = torch.ops.mlakit_cpu.rms_norm(x, norm.weight, 1e-6)
+    assert_close("rms_norm", got, want, 2**-7)
+    assert (got == want).float().mean() > 0.99
+
+
+def test_fuse_norms_swaps_only_what_computes_the_same():
+    need_core()
+    pytest.importorskip("transformers")
+    from support.engine import tiny_model
+    from torch import nn
+
+    from mlakit.attention import RMSNorm
+    from mlakit.engine.packed import fuse_norms
+
+    class OffsetRMSNorm(nn.Module):  # Gemma's form: (1 + weight), not transformers' DeepSeek one
+        def __init__(self, width):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(width))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (1 + self.weight) * xf.to(x.dtype)
+
+    model = tiny_model("deepseek-v3").to(torch.bfloat16)
+    model.model.norm = OffsetRMSNorm(model.config.hidden_size).bfloat16()
+    names = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    swapped = fuse_norms(model)
+    assert swapped == len(names) - 1 and isinstance(model.model.norm, OffsetRMSNorm)
+    assert isinstance(model.model.layers[0].input_layernorm, RMSNorm)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert fuse_norms(tiny_model("deepseek-v3")) == 0  # fp32: nothing to gain

@@ -22,7 +22,7 @@ from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
 from mlakit.engine import compiled
 from mlakit.engine.moe import install_moe
-from mlakit.engine.packed import pack_model
+from mlakit.engine.packed import fuse_norms, pack_model
 
 # rows of logits materialized at a time for prompt log-probabilities: 256 x 129,280 (DeepSeek-V3's
 # vocabulary) fp32 is 132 MB, where a 2,048-token chunk at once would be 1.06 GB
@@ -129,6 +129,7 @@ class ModelRunner:
         if self.packed_modules:  # the absorbed folds' per-head products on packed copies of kv_b_proj
             for mla in self.layers:
                 mla.pack_up()
+            fuse_norms(model)
         self.head = model.lm_head
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)

@@ -62,7 +62,7 @@ BF16 = Core(
     "mlakit_cpu_core.so",
     "mlakit_cpu",
     "",
-    (CSRC / "prefill_attention.cpp", CSRC / "vnni_linear.cpp", CSRC / "sample.cpp", CSRC / "bf16_tiles.h"),
+    (CSRC / "prefill_attention.cpp", CSRC / "vnni_linear.cpp", CSRC / "rows.cpp", CSRC / "bf16_tiles.h"),
 )
 F32 = Core(
     "fused-avx2-fp32",

@@ -1,4 +1,6 @@
-// One draw per row from softmax(x * inv_temp) by its inverse CDF, straight from the logits (AVX-512):
+// Per-row ops of an engine step (AVX-512): the sampler's draw, and RMSNorm.
+//
+// inverse_cdf_logits: one draw per row from softmax(x * inv_temp) by its inverse CDF, straight from the logits (AVX-512):
 // the sampler's two-level running sum (mlakit/engine/sampler.py: inverse_cdf) without the softmax
 // and its copies. Per row: the max; exp((x - max) * inv_temp) summed in fp32 per block of 1,024
 // tokens, the block sums' running sum in fp64; the target u x total (kept below the total); the
@@ -83,9 +85,48 @@ at::Tensor inverse_cdf_logits(const at::Tensor& x, const at::Tensor& inv_temp, c
   return out;
 }
 
+// transformers' RMSNorm in one pass per row: y = round(x * rsqrt(mean(x^2) + eps)) in fp32, then
+// round(weight * y) (x, weight bf16; the sum of squares in fp32, in another order than torch's mean)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "rms_norm: x [M, D] bf16");
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == D,
+              "rms_norm: weight [D] bf16");
+  at::Tensor out = at::empty({M, D}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t ld = x.stride(0);
+  auto load = [](const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  };
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = xp + r * ld;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = load(row + d, tail(D - d));
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + (float)eps);
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = tail(D - d);
+        const __m512 y = _mm512_mul_ps(load(row + d, m), vs);
+        const __m512 yr = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16));
+        _mm256_mask_storeu_epi16(op + r * D + d, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(yr, load(wp + d, m))));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("inverse_cdf_logits(Tensor x, Tensor inv_temp, Tensor u) -> Tensor");
   m.impl("inverse_cdf_logits", c10::DispatchKey::CPU, TORCH_FN(inverse_cdf_logits));
 }
