@@ -8,7 +8,9 @@
 //   online softmax over t in fp32 (running max, denominators), probabilities rounded to bf16
 //   O^T [l, r]    += V[t, l] P[t, r]      two key rows interleaved per pair, accumulators in fp32
 // The key range of a sequence is cut into `splits` parts (parallel work at small batch), each part
-// returns (O, lse) and the parts are merged by log-sum-exp. Two parallel regions per call.
+// returns (O, lse) and the parts are merged by log-sum-exp. The query rows are cut into groups of at
+// most RG (a prefill chunk over a cached prefix has new tokens x heads of them: one slab of all would
+// keep megabytes of accumulators out of cache). Two parallel regions per call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +32,10 @@ namespace {
 using namespace mlakit_tiles;
 
 constexpr int KB = 128;  // keys per block of the online softmax (a multiple of the 8-key tile)
+// query rows per work item at most, a multiple of the 32-row score tile: 128 x 128 heads of
+// DeepSeek-V3 over 1,152 keys (one thread, Zen 4) took 1,008 ms as one slab, 218-242 ms in groups of
+// 128-256 rows; 128 x 16 heads 36 -> 27 ms
+constexpr int RG = 256;
 
 struct Problem {
   const uint16_t* ckv;  // c_kv rows (bf16 bits), row r of sequence b: see row()
@@ -40,9 +46,10 @@ struct Problem {
   int64_t T;                           // keys addressable per sequence
   const int64_t* kv_lens;
   int64_t key_start;  // absolute position of key 0 of this call
-  int S, H, L, R, NR, NRp, KP;
+  int S, H, L, R, NR, KP;
+  int G, GR;  // groups of query rows per sequence, rows per group (a multiple of 16; the last padded)
   float scale;
-  const uint32_t* qpack;  // [B][KP][NRp] pairs
+  const uint32_t* qpack;  // [B][G][KP][GR] pairs: a group's slab is contiguous, padding rows zero
 };
 
 inline int64_t row_of(const Problem& p, int64_t b, int64_t t) {
@@ -66,29 +73,31 @@ inline int64_t limit_of(const Problem& p, int64_t b, int r) {
   return std::max<int64_t>(0, std::min<int64_t>(lim, p.T));
 }
 
+// one work item's state: rows [r0, r0 + nr) of a sequence, nrp = nr rounded up to 16
 struct Scratch {
   std::vector<float> st, ot, m, d, dr, alpha;
   std::vector<uint32_t> pt, vp;
   std::vector<int64_t> lim;
-  void fit(const Problem& p) {
-    st.resize((size_t)KB * p.NRp);
-    pt.resize((size_t)(KB / 2) * p.NRp);
-    vp.resize((size_t)(KB / 2) * p.L);
-    ot.resize((size_t)p.L * p.NRp);
-    m.resize(p.NRp);
-    d.resize(p.NRp);
-    dr.resize(p.NRp);
-    alpha.resize(p.NRp);
-    lim.resize(p.NRp);
+  void fit(int nrp, int L) {
+    st.resize((size_t)KB * nrp);
+    pt.resize((size_t)(KB / 2) * nrp);
+    vp.resize((size_t)(KB / 2) * L);
+    ot.resize((size_t)L * nrp);
+    m.resize(nrp);
+    d.resize(nrp);
+    dr.resize(nrp);
+    alpha.resize(nrp);
+    lim.resize(nrp);
   }
 };
 
-// scores of one block of keys [k0, k0 + n) against every row, masked, into s.st [KB][NRp]
-void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n) {
+// scores of one block of keys [k0, k0 + n) against the item's rows (packed at qp, ld GR), masked,
+// into s.st [KB][nrp]
+void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n, const uint32_t* qp, int nr,
+                  int nrp) {
   const int nn = (n + 7) / 8 * 8;
   const uint32_t* kc[8];
   const uint32_t* kr[8];
-  const uint32_t* qp = p.qpack + (size_t)b * p.KP * p.NRp;
   for (int t0 = 0; t0 < nn; t0 += 8) {
     for (int m = 0; m < 8; ++m) {
       const int64_t t = k0 + std::min(t0 + m, n - 1);  // padding keys repeat the last one (masked below)
@@ -96,31 +105,26 @@ void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n) {
       kr[m] = reinterpret_cast<const uint32_t*>(kpe_row(p, b, t));
     }
     int r0 = 0;
-    for (; r0 + 32 <= p.NRp; r0 += 32)
-      score_tile<2>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.NRp, s.st.data() + t0 * p.NRp + r0, p.NRp, p.scale);
-    if (r0 < p.NRp)
-      score_tile<1>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.NRp, s.st.data() + t0 * p.NRp + r0, p.NRp, p.scale);
+    for (; r0 + 32 <= nrp; r0 += 32)
+      score_tile<2>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.GR, s.st.data() + t0 * nrp + r0, nrp, p.scale);
+    if (r0 < nrp)
+      score_tile<1>(kc, kr, p.L / 2, p.R / 2, qp + r0, p.GR, s.st.data() + t0 * nrp + r0, nrp, p.scale);
   }
   int64_t lo = p.T, hi = 0;
-  for (int r = 0; r < p.NR; ++r) {
+  for (int r = 0; r < nr; ++r) {
     lo = std::min(lo, s.lim[r]);
     hi = std::max(hi, s.lim[r]);
   }
   for (int t = 0; t < nn; ++t) {
     const int64_t key = k0 + t;
-    float* row = s.st.data() + t * p.NRp;
+    float* row = s.st.data() + t * nrp;
     if (t >= n || key >= hi) {
-      std::fill(row, row + p.NRp, NEG_INF);
+      std::fill(row, row + nrp, NEG_INF);
     } else if (key >= lo) {
-      for (int r = 0; r < p.NR; ++r)
+      for (int r = 0; r < nr; ++r)
         if (key >= s.lim[r]) row[r] = NEG_INF;
     }
   }
-}
-
-// online softmax update over the block's nn keys: running max, both denominators, bf16 pairs in s.pt
-void block_softmax(const Problem& p, Scratch& s, int nn) {
-  softmax_block(s.st.data(), p.NRp, p.NRp, nn, s.m.data(), s.d.data(), s.dr.data(), s.alpha.data(), s.pt.data());
 }
 
 // the block's c_kv rows interleaved in pairs: vp[tp][l] = (V[2tp][l], V[2tp+1][l])
@@ -128,51 +132,52 @@ void block_values(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n, in
   pair_rows([&](int t) { return ckv_row(p, b, k0 + t); }, n, nn, p.L, s.vp.data());
 }
 
-void block_mix(const Problem& p, Scratch& s, int nn) {
-  mix_block(s.vp.data(), p.L, nn, s.pt.data(), p.NRp, p.NRp, s.ot.data(), s.alpha.data());
-}
-
-// one sequence, keys [k0, k1): o [NR, L] (normalized) and lse [NR]
-void attend_part(const Problem& p, int64_t b, int64_t k0, int64_t k1, float* o, float* lse) {
+// rows [r0, r0 + nr) of sequence b, keys [k0, k1): o [nr, L] (normalized) and lse [nr]
+void attend_part(const Problem& p, int64_t b, int64_t k0, int64_t k1, int r0, int nr, float* o, float* lse) {
   thread_local Scratch s;
-  s.fit(p);
-  for (int r = 0; r < p.NRp; ++r) s.lim[r] = r < p.NR ? std::min(limit_of(p, b, r), k1) : 0;
-  std::fill(s.m.begin(), s.m.end(), NEG_INF);
-  std::fill(s.d.begin(), s.d.end(), 0.0f);
-  std::fill(s.dr.begin(), s.dr.end(), 0.0f);
-  std::fill(s.ot.begin(), s.ot.end(), 0.0f);
+  const int nrp = (nr + 15) / 16 * 16;
+  s.fit(nrp, p.L);
+  for (int r = 0; r < nrp; ++r) s.lim[r] = r < nr ? std::min(limit_of(p, b, r0 + r), k1) : 0;
+  std::fill(s.m.begin(), s.m.begin() + nrp, NEG_INF);
+  std::fill(s.d.begin(), s.d.begin() + nrp, 0.0f);
+  std::fill(s.dr.begin(), s.dr.begin() + nrp, 0.0f);
+  std::fill(s.ot.begin(), s.ot.begin() + (size_t)nrp * p.L, 0.0f);
   int64_t hi = 0;
-  for (int r = 0; r < p.NR; ++r) hi = std::max(hi, s.lim[r]);
+  for (int r = 0; r < nr; ++r) hi = std::max(hi, s.lim[r]);
+  const uint32_t* qp = p.qpack + ((size_t)b * p.G + r0 / p.GR) * p.KP * p.GR;
   for (int64_t kb = k0; kb < std::min(k1, hi); kb += KB) {
     const int n = (int)std::min<int64_t>(KB, std::min(k1, hi) - kb);
     const int nn = (n + 7) / 8 * 8;
-    block_scores(p, s, b, kb, n);
-    block_softmax(p, s, nn);
+    block_scores(p, s, b, kb, n, qp, nr, nrp);
+    // online softmax over the block's nn keys: running max, both denominators, bf16 pairs in s.pt
+    softmax_block(s.st.data(), nrp, nrp, nn, s.m.data(), s.d.data(), s.dr.data(), s.alpha.data(), s.pt.data());
     block_values(p, s, b, kb, n, nn);
-    block_mix(p, s, nn);
+    mix_block(s.vp.data(), p.L, nn, s.pt.data(), nrp, nrp, s.ot.data(), s.alpha.data());
   }
-  for (int r = 0; r < p.NR; ++r) {
+  for (int r = 0; r < nr; ++r) {
     const bool none = !(s.d[r] > 0.0f);
     lse[r] = none ? NEG_INF : s.m[r] + std::log(s.d[r]);
     s.alpha[r] = none ? 0.0f : 1.0f / s.dr[r];  // alpha's last use was the last block: the row scales
   }
-  untranspose(s.ot.data(), p.NRp, p.NR, p.L, s.alpha.data(),
+  untranspose(s.ot.data(), nrp, nr, p.L, s.alpha.data(),
               [&](int r, int l0, __m512 x) { _mm512_storeu_ps(o + (int64_t)r * p.L + l0, x); });
 }
 
-// q_lat [B, NR, L], q_pe [B, NR, R] (bf16) -> [B][KP][NRp] pairs, padding rows zero
+// q_lat [B, NR, L], q_pe [B, NR, R] (bf16) -> [B][G][KP][GR] pairs, padding rows zero
 void pack_queries(const at::Tensor& q_lat, const at::Tensor& q_pe, Problem& p, std::vector<uint32_t>& buf) {
   const int64_t B = q_lat.size(0);
-  buf.resize((size_t)B * p.KP * p.NRp);  // every entry written below (padding rows zero)
+  buf.resize((size_t)B * p.G * p.KP * p.GR);  // every entry read is written below (padding rows zero)
   const auto* ql = reinterpret_cast<const uint32_t*>(q_lat.data_ptr<at::BFloat16>());
   const auto* qr = reinterpret_cast<const uint32_t*>(q_pe.data_ptr<at::BFloat16>());
   const int kpl = p.L / 2, kpr = p.R / 2;
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      uint32_t* out = buf.data() + (size_t)b * p.KP * p.NRp;
-      transpose_pairs([&](int r) { return ql + ((size_t)b * p.NR + r) * kpl; }, p.NR, p.NRp, kpl, out, p.NRp);
-      transpose_pairs([&](int r) { return qr + ((size_t)b * p.NR + r) * kpr; }, p.NR, p.NRp, kpr,
-                      out + (size_t)kpl * p.NRp, p.NRp);
+  at::parallel_for(0, B * p.G, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / p.G;
+      const int r0 = (int)(i % p.G) * p.GR, nr = std::min(p.GR, p.NR - r0), nrp = (nr + 15) / 16 * 16;
+      uint32_t* out = buf.data() + (size_t)i * p.KP * p.GR;
+      const size_t first = (size_t)b * p.NR + r0;
+      transpose_pairs([&](int r) { return ql + (first + r) * kpl; }, nr, nrp, kpl, out, p.GR);
+      transpose_pairs([&](int r) { return qr + (first + r) * kpr; }, nr, nrp, kpr, out + (size_t)kpl * p.GR, p.GR);
     }
   });
   p.qpack = buf.data();
@@ -226,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor> latent_decode(const at::Tensor& q_lat, const 
   check(p.S > 0 && p.NR % p.S == 0, "rows must be new_tokens x heads");
   p.H = p.NR / p.S;
   check(p.L % 32 == 0 && p.R % 2 == 0 && p.R > 0, "latent width must be a multiple of 32, rope width even");
-  p.NRp = (p.NR + 15) / 16 * 16;
+  p.GR = std::min(RG, (p.NR + 15) / 16 * 16);
+  p.G = (p.NR + p.GR - 1) / p.GR;
   p.KP = p.L / 2 + p.R / 2;
   p.scale = (float)scale;
   p.kv_lens = kv_lens.data_ptr<int64_t>();
@@ -260,10 +266,12 @@ std::tuple<at::Tensor, at::Tensor> latent_decode(const at::Tensor& q_lat, const 
   at::Tensor pl = splits == 1 ? lse : at::empty({B * splits, p.NR}, f32);
   float* po_ = po.data_ptr<float>();
   float* pl_ = pl.data_ptr<float>();
-  at::parallel_for(0, B * splits, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * splits * p.G, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / splits, k0 = (i % splits) * span, k1 = std::min(p.T, k0 + span);
-      attend_part(p, b, std::min(k0, k1), k1, po_ + i * p.NR * p.L, pl_ + i * p.NR);
+      const int64_t part = i / p.G, g = i % p.G;
+      const int64_t b = part / splits, k0 = (part % splits) * span, k1 = std::min(p.T, k0 + span);
+      const int r0 = (int)(g * p.GR), nr = std::min(p.GR, p.NR - r0);
+      attend_part(p, b, std::min(k0, k1), k1, r0, nr, po_ + (part * p.NR + r0) * p.L, pl_ + part * p.NR + r0);
     }
   });
   if (splits > 1) merge_parts(p, B, splits, po_, pl_, o.data_ptr<float>(), lse.data_ptr<float>());

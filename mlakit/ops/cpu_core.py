@@ -52,6 +52,7 @@ class Core:
     ops: str  # its torch.ops namespace
     what: str  # for the build's messages
     extra: tuple[Path, ...] = ()  # more sources (and the headers they share), built into the same library
+    group_rows: int = 256  # query rows per work item at most (RG in its source): S x H rows cut in groups
 
 
 BF16 = Core(
@@ -72,6 +73,7 @@ F32 = Core(
     "mlakit_cpu_f32.so",
     "mlakit_cpu_f32",
     "fp32 ",
+    group_rows=64,
 )
 CORE_FOR = {torch.bfloat16: BF16, torch.float32: F32}
 
@@ -154,7 +156,8 @@ def fused_latent(
     q_l = q_lat.reshape(batch, new * heads, latent).to(core.dtype).contiguous()
     q_r = q_pe.reshape(batch, new * heads, -1).to(core.dtype).contiguous()
     keys = (c_kv if rows is None else rows).shape[1]
-    parts = default_splits(batch, keys) if splits is None else splits
+    groups = -(-new * heads // core.group_rows)
+    parts = default_splits(batch * groups, keys) if splits is None else splits
     lens = kv_lens.to(device="cpu", dtype=torch.long).contiguous()
     op = getattr(torch.ops, core.ops).latent_decode
     o, lse = op(q_l, q_r, c_kv, k_pe, rows, lens, new, key_start, scale, parts)
@@ -214,7 +217,8 @@ MIN_SPLIT_KEYS = 512
 
 
 def default_splits(batch: int, keys: int) -> int:
-    """Parts per sequence: about two work items per thread, none shorter than MIN_SPLIT_KEYS."""
+    """Parts per sequence: about two work items per thread, none shorter than MIN_SPLIT_KEYS. `batch`:
+    the work items before any split (sequences x groups of query rows)."""
     threads = torch.get_num_threads()
     if threads == 1:
         return 1
