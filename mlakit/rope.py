@@ -155,6 +155,9 @@ def rotation_matrices(t: RopeTables, dtype: torch.dtype) -> torch.Tensor:
 
 def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
     """`apply_rope` over tables from `rope_tables`: x [..., dr] → rotated, half-split order, x's dtype."""
+    fused = _fused_form(x, t)
+    if fused is not None:  # one pass (csrc/rows.cpp), the same roundings
+        return torch.ops.mlakit_cpu.rope_rows(*fused, t.layout == "interleave").view(x.shape)
     xf = x.to(_work_dtype(x.dtype))
     if t.layout:
         dr = xf.shape[-1]
@@ -166,6 +169,37 @@ def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
     lead = xf if t.first is None else xf.index_select(-1, t.first)
     out = lead * t.cos + xf.index_select(-1, t.second) * t.sin
     return out.to(x.dtype)
+
+
+def _fused_form(x: torch.Tensor, t: RopeTables):
+    """(x [N, H, dr], cos [N, dr], sin [N, dr]) for the one-pass CPU rope where it takes x and t: bf16
+    or fp32 x on a CPU where the bf16 core runs, dr a multiple of 32, tables per token (over a head
+    axis or not), no autograd, not traced; else None."""
+    dr = x.shape[-1]
+    if not (
+        t.layout
+        and x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and dr % 32 == 0
+        and x.stride(-1) == 1
+        and t.cos.dtype == torch.float32
+        and t.cos.is_contiguous()
+        and t.sin.is_contiguous()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    if x.dim() == 3 and t.cos.shape == (x.shape[0], 1, dr):
+        x3, cos, sin = x, t.cos.view(-1, dr), t.sin.view(-1, dr)
+    elif x.dim() == 2 and t.cos.shape == x.shape:
+        x3, cos, sin = x[:, None], t.cos, t.sin
+    else:
+        return None
+    if t.sin.shape != t.cos.shape or t.sin.dtype != torch.float32:
+        return None
+    from mlakit.ops import cpu_core
+
+    return (x3, cos, sin) if cpu_core.available(torch.bfloat16) else None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -177,3 +177,32 @@ def test_plan_tables_rotate_bit_for_bit_like_apply_rope(interleave, dtype):
     assert heads.dtype == dtype
     assert torch.equal(heads, apply_rope(x, cos[:, :, None], sin[:, :, None], interleave))
     assert torch.equal(keys, apply_rope(x[:, :, 0], cos, sin, interleave))
+
+
+@pytest.mark.parametrize("dr", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half-split"])
+def test_one_pass_cpu_rope_bit_for_bit(interleave, dtype, dr):
+    """The one-pass rope (csrc/rows.cpp) on packed tokens: queries sliced out of a wider projection
+    (strided heads) and keys, equal to apply_rope exactly; forms it does not take fall back."""
+    from mlakit.ops import cpu_core
+    from mlakit.rope import _fused_form, apply_tables, rope_tables
+
+    if not cpu_core.available(torch.bfloat16):
+        pytest.skip(f"the bf16 CPU core does not run here: {cpu_core.unavailable_reason()}")
+    n, h = 37, 5  # 185 rows: several parallel chunks and a short one
+    q = randn(n, h, 96 + dr, seed=3, dtype=dtype)[..., 96:]  # [N, H, dr], stride 96 + dr per head
+    k = randn(n, dr, seed=4, dtype=dtype)
+    angle = randn(n, dr // 2, seed=5) * 50
+    cos, sin = angle.cos(), angle.sin()
+    tables = rope_tables(cos, sin, interleave)
+    assert _fused_form(q, tables.unsqueeze_heads()) is not None and _fused_form(k, tables) is not None
+    got_q, got_k = apply_tables(q, tables.unsqueeze_heads()), apply_tables(k, tables)
+    assert got_q.dtype == dtype and got_q.is_contiguous() and got_q.shape == q.shape
+    assert torch.equal(got_q, apply_rope(q, cos[:, None], sin[:, None], interleave))
+    assert torch.equal(got_k, apply_rope(k, cos, sin, interleave))
+    # not taken: fp64, a width not a multiple of 32, autograd, tables broadcast another way
+    assert _fused_form(q.double(), tables.unsqueeze_heads()) is None
+    assert _fused_form(q[..., :16], rope_tables(cos[:, :8], sin[:, :8], interleave).unsqueeze_heads()) is None
+    assert _fused_form(k.float().requires_grad_(), tables) is None
+    assert _fused_form(q, tables) is None

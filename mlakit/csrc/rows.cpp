@@ -1,4 +1,4 @@
-// Per-row ops of an engine step (AVX-512): the sampler's draw, and RMSNorm.
+// Per-row ops of an engine step (AVX-512): the sampler's draw, RMSNorm and rope.
 //
 // inverse_cdf_logits: one draw per row from softmax(x * inv_temp) by its inverse CDF, straight from the logits (AVX-512):
 // the sampler's two-level running sum (mlakit/engine/sampler.py: inverse_cdf) without the softmax
@@ -122,11 +122,91 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// mlakit.rope.apply_tables in one pass (layouts "interleave" and "half", dr a multiple of 32):
+// x [N, H, dr] (bf16 or fp32, any strides but the last), cos/sin [N, dr] fp32 contiguous in the
+// full-width form rope_tables builds -> [N, H, dr] contiguous in x's dtype. Output j < dr/2 is
+// a[j]·cos[j] + b[j]·sin[j] and output dr/2 + j is b[j]·cos[dr/2 + j] + a[j]·sin[dr/2 + j], with
+// (a, b) = (x[2j], x[2j + 1]) interleaved or (x[j], x[dr/2 + j]) half-split: each product and the sum
+// rounded in fp32 as torch's ops round them (no FMA), then rounded to x's dtype: bit for bit the same.
+template <bool BF16>
+inline __m512 load16(const void* p, int64_t i) {
+  if constexpr (BF16) {
+    const auto* q = static_cast<const uint16_t*>(p) + i;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)q)), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+template <bool BF16>
+inline void store16(void* p, int64_t i, __m512 v) {
+  if constexpr (BF16)
+    _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(p) + i), (__m256i)_mm512_cvtneps_pbh(v));
+  else
+    _mm512_storeu_ps(static_cast<float*>(p) + i, v);
+}
+
+inline __m512 rotate(__m512 a, __m512 c, __m512 b, __m512 s) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // no contraction into an FMA
+  return _mm512_add_round_ps(_mm512_mul_round_ps(a, c, R), _mm512_mul_round_ps(b, s, R), R);
+}
+
+template <bool BF16>
+void rope_rows_impl(const at::Tensor& x, const float* cp, const float* sp, bool interleave, at::Tensor& out) {
+  const int64_t N = x.size(0), H = x.size(1), dr = x.size(2), half = dr / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), esize = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  at::parallel_for(0, N * H, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = r / H, h = r % H;
+      const void* row = xp + (n * s0 + h * s1) * esize;
+      void* dst = op + r * dr * esize;
+      const float* c = cp + n * dr;
+      const float* s = sp + n * dr;
+      for (int64_t j = 0; j < half; j += 16) {
+        __m512 a, b;
+        if (interleave) {
+          const __m512 v0 = load16<BF16>(row, 2 * j), v1 = load16<BF16>(row, 2 * j + 16);
+          a = _mm512_permutex2var_ps(v0, even, v1);
+          b = _mm512_permutex2var_ps(v0, odd, v1);
+        } else {
+          a = load16<BF16>(row, j);
+          b = load16<BF16>(row, half + j);
+        }
+        store16<BF16>(dst, j, rotate(a, _mm512_loadu_ps(c + j), b, _mm512_loadu_ps(s + j)));
+        store16<BF16>(dst, half + j, rotate(b, _mm512_loadu_ps(c + half + j), a, _mm512_loadu_ps(s + half + j)));
+      }
+    }
+  });
+}
+
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 32 == 0 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "rope_rows: x [N, H, dr] bf16 or fp32, dr a multiple of 32, last dim contiguous");
+  const int64_t N = x.size(0), dr = x.size(2);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == dr,
+                "rope_rows: cos/sin [N, dr] fp32 contiguous");
+  at::Tensor out = at::empty({N, x.size(1), dr}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    rope_rows_impl<true>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), interleave, out);
+  else
+    rope_rows_impl<false>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), interleave, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, bool interleave) -> Tensor");
+  m.impl("rope_rows", c10::DispatchKey::CPU, TORCH_FN(rope_rows));
   m.def("inverse_cdf_logits(Tensor x, Tensor inv_temp, Tensor u) -> Tensor");
   m.impl("inverse_cdf_logits", c10::DispatchKey::CPU, TORCH_FN(inverse_cdf_logits));
 }
