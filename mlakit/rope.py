@@ -182,7 +182,8 @@ def _fused_form(x: torch.Tensor, t: RopeTables):
         and x.dtype in (torch.bfloat16, torch.float32)
         and dr % 32 == 0
         and x.stride(-1) == 1
-        and t.cos.dtype == torch.float32
+        and t.cos.dtype == t.sin.dtype == torch.float32
+        and t.cos.shape == t.sin.shape
         and t.cos.is_contiguous()
         and t.sin.is_contiguous()
         and not (torch.is_grad_enabled() and x.requires_grad)
@@ -194,8 +195,6 @@ def _fused_form(x: torch.Tensor, t: RopeTables):
     elif x.dim() == 2 and t.cos.shape == x.shape:
         x3, cos, sin = x[:, None], t.cos, t.sin
     else:
-        return None
-    if t.sin.shape != t.cos.shape or t.sin.dtype != torch.float32:
         return None
     from mlakit.ops import cpu_core
 

@@ -15,6 +15,14 @@ namespace mlakit_tiles {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// lanes [0, min(left, 16)) of a 16-lane mask: the tail of a row
+inline __mmask16 tail(int64_t left) { return (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+
+// 16 bf16 values (the lanes of m) widened to fp32 exactly; lanes outside m read as 0
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m = 0xFFFF) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
 inline __m512 exp512(__m512 x) {
   // exp to ~2 ulp: 2^n * p(r), r = x - n ln2; exactly 0 below -87 (and for -inf)
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);

@@ -23,7 +23,8 @@ namespace {
 
 constexpr int64_t BLOCK = 1024;  // mlakit/engine/sampler.py: CDF_BLOCK
 
-inline __mmask16 tail(int64_t left) { return (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+using mlakit_tiles::load_bf16;
+using mlakit_tiles::tail;
 
 inline __m512 weights(const float* x, int64_t i, __mmask16 m, __m512 top, __m512 it) {
   const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(mlakit_tiles::NEG_INF), m, x + i);
@@ -97,25 +98,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t ld = x.stride(0);
-  auto load = [](const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  };
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* row = xp + r * ld;
       __m512 ss = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
-        const __m512 v = load(row + d, tail(D - d));
+        const __m512 v = load_bf16(row + d, tail(D - d));
         ss = _mm512_fmadd_ps(v, v, ss);
       }
       const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + (float)eps);
       const __m512 vs = _mm512_set1_ps(scale);
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = tail(D - d);
-        const __m512 y = _mm512_mul_ps(load(row + d, m), vs);
+        const __m512 y = _mm512_mul_ps(load_bf16(row + d, m), vs);
         const __m512 yr = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16));
-        _mm256_mask_storeu_epi16(op + r * D + d, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(yr, load(wp + d, m))));
+        _mm256_mask_storeu_epi16(op + r * D + d, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(yr, load_bf16(wp + d, m))));
       }
     }
   });
@@ -130,12 +128,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // rounded in fp32 as torch's ops round them (no FMA), then rounded to x's dtype: bit for bit the same.
 template <bool BF16>
 inline __m512 load16(const void* p, int64_t i) {
-  if constexpr (BF16) {
-    const auto* q = static_cast<const uint16_t*>(p) + i;
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)q)), 16));
-  } else {
+  if constexpr (BF16)
+    return load_bf16(static_cast<const uint16_t*>(p) + i);
+  else
     return _mm512_loadu_ps(static_cast<const float*>(p) + i);
-  }
 }
 
 template <bool BF16>

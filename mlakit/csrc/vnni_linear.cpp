@@ -160,15 +160,12 @@ void add_blocks(std::vector<Product>& items, const uint16_t* x, int64_t M, int64
                      M, y + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB), b});
 }
 
-inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using mlakit_tiles::load_bf16;
+using mlakit_tiles::tail;
 
 inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even) and back
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
-
-inline __mmask16 tail(int64_t left) { return (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1); }
 
 // act [rows, I] = silu(gate) * up of h [rows, 2I] (gate first), each rounded to bf16 as torch's bf16 ops
 void silu_gate(const uint16_t* h, int64_t rows, int64_t I, uint16_t* act) {
