@@ -7,13 +7,16 @@ Each block is built from its family's config with mlakit.engine.demo.DEMO's MoE 
 correction bias is drawn too so V3-style routing is not all ties. For every token count the hidden
 states are random and every implementation runs the same input; the outputs are compared with the
 "eager" one before any timing (max |diff| printed). "mlakit" is GroupedMoE on torch.mm, "packed"
-the same with bf16 expert weights prepacked for oneDNN (GroupedMoE.pack). `batched_mm` gathers one
+the same with bf16 expert weights prepacked for oneDNN (GroupedMoE.pack), "released" a copy of the
+block packed with its plain weights released (GroupedMoE.pack(release=True): what the engine's eager
+CPU steps run; on CPUs with AVX512-BF16 and no AMX, mlakit's layout and the one-op `moe_experts`).
+`batched_mm` gathers one
 weight copy per (token, expert) pair and is skipped where that copy would pass `--batched-cap` GiB.
 Times are the best of repeats taken round-robin over the implementations (at least 3, about
 `--budget` seconds each): the machine may be shared, and the best run is the least disturbed.
 
     PYTHONPATH=. python benchmarks/moe.py [--tokens 1 8 32 128 2048] [--dtypes fp32 bf16]
-        [--threads 1 2] [--families ...] [--impls eager batched_mm grouped_mm mlakit packed]
+        [--threads 1 2] [--families ...] [--impls eager batched_mm grouped_mm mlakit packed released]
         [--budget 0.6] [--json out.json]
     PYTHONPATH=. python benchmarks/moe.py --engine [--requests 32] [--prompt-len 128] [--out-len 32]
 
@@ -26,6 +29,7 @@ how many requests' tokens equal the first run's.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -46,8 +50,8 @@ FAMILIES = {
     "glm-moe-dsa": ("GlmMoeDsaConfig", "glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaMoE"),
     "glm-4.7-flash": ("Glm4MoeLiteConfig", "glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteMoE"),
 }
-IMPLS = ["eager", "batched_mm", "grouped_mm", "mlakit", "packed"]
-OURS = ("mlakit", "packed")
+IMPLS = ["eager", "batched_mm", "grouped_mm", "mlakit", "packed", "released"]
+OURS = ("mlakit", "packed", "released")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WIDTHS = (
     "hidden_size",
@@ -190,7 +194,10 @@ def main() -> None:
     )
     print("# widths: " + ", ".join(f"{k}={DEMO[k]}" for k in WIDTHS))
     print("# ms per MoE block call (best of round-robin repeats), (max |diff| vs eager)")
-    print("# mlakit: GroupedMoE on torch.mm; packed: GroupedMoE with its bf16 experts prepacked for oneDNN")
+    print(
+        "# mlakit: GroupedMoE on torch.mm; packed: GroupedMoE with its bf16 experts prepacked for oneDNN; "
+        "released: packed in place (the engine's CPU steps)"
+    )
     print("# xS: fastest transformers implementation / fastest mlakit one; -: not run (fp32 / --batched-cap)")
     rows = []
     with torch.no_grad():
@@ -202,6 +209,8 @@ def main() -> None:
                     block, config = build_block(family, dtype)
                     grouped, packed = GroupedMoE(block), GroupedMoE(block)
                     has_packed = packed.pack()
+                    released = GroupedMoE(copy.deepcopy(block))
+                    has_released = released.pack(release=True)
                     width, inter = DEMO["hidden_size"], DEMO["moe_intermediate_size"]
                     per_pair = 3 * inter * width * block.experts.down_proj.element_size()
                     for n in args.tokens:
@@ -214,10 +223,10 @@ def main() -> None:
                             if impl == "batched_mm" and gathered > args.batched_cap * 2**30:
                                 row[impl] = None  # one weight copy per (token, expert) pair
                                 continue
-                            if impl == "packed" and not has_packed:
+                            if not {"packed": has_packed, "released": has_released}.get(impl, True):
                                 row[impl] = None  # fp32, or no oneDNN: nothing to prepack
                                 continue
-                            ours = {"mlakit": grouped, "packed": packed}
+                            ours = {"mlakit": grouped, "packed": packed, "released": released}
                             fns[impl] = call(ours[impl], x) if impl in ours else call(block, x, config, impl)
                             row[f"{impl}_diff"] = (fns[impl]().float() - ref.float()).abs().max().item()
                         row.update({k: v * 1e3 for k, v in timed(fns, args.budget).items()})

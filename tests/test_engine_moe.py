@@ -281,8 +281,15 @@ def test_packed_bf16_experts(monkeypatch):
 
 
 # (tokens, forced routing or None): a decode step's few rows, a prefill chunk's many, one expert for
-# every token (the others unpicked), an expert picked by every row
-FUSED_CASES = {"rows-1": (1, None), "rows-5": (5, None), "rows-70": (70, None), "one-expert": (9, "one")}
+# every token (the others unpicked), an expert picked by every row; one expert and the shared MLP over
+# more rows than the op takes in one pass over a weight block (256: chunks of 256, 256 and 89 rows)
+FUSED_CASES = {
+    "rows-1": (1, None),
+    "rows-5": (5, None),
+    "rows-70": (70, None),
+    "one-expert": (9, "one"),
+    "rows-601": (601, "one"),
+}
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES), ids=list(FUSED_CASES))

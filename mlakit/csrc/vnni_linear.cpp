@@ -14,6 +14,7 @@
 #include "bf16_tiles.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -125,7 +126,7 @@ at::Tensor vnni_heads(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
 // ---- the routed and shared experts of one MoE block over packed weights (a decode step's few rows per
 // expert: one call instead of a few small ops per expert) ----
 
-struct Product {  // one block of one product: rows [M] of x against one packed block into y
+struct Product {  // one block of one product over a chunk of its rows: rows [M] of x against one packed block into y
   const uint32_t* x;
   int64_t ldx;
   const uint32_t* w;
@@ -133,15 +134,16 @@ struct Product {  // one block of one product: rows [M] of x against one packed 
   uint16_t* y;
   int64_t ldy;
   int live;
-  int64_t block;  // its index in its product
 };
 
-// the items in the order each product's first blocks, then each one's second blocks, ...: the
-// contiguous shares at::parallel_for hands each thread mix every product (experts' row counts differ)
-void products(std::vector<Product>& items) {
-  std::stable_sort(items.begin(), items.end(), [](const Product& a, const Product& b) { return a.block < b.block; });
-  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+// every thread of the pool claims the next item from one counter until none is left: experts' row
+// counts differ from step to step, so fixed shares leave one thread waiting on the other; each item
+// writes its own rows and columns, so the result does not depend on who took what
+void products(const std::vector<Product>& items) {
+  const int64_t n = (int64_t)items.size();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const Product& q = items[i];
       for (int64_t m0 = 0; m0 < q.M; m0 += 8) {
         const int mt = (int)std::min<int64_t>(8, q.M - m0);
@@ -151,13 +153,18 @@ void products(std::vector<Product>& items) {
   });
 }
 
-// the blocks of y [M, N] = x [M, K] . W^T (packed [ceil(N/32), K/2, 64]) appended to items
+// the items of y [M, N] = x [M, K] . W^T (packed [ceil(N/32), K/2, 64]) appended: rows in chunks of at
+// most ROWS, each chunk's blocks in order (a prefill's rows: the chunk stays in L2 while its blocks
+// pass, where all of an expert's rows would stream from L3 once a block)
 void add_blocks(std::vector<Product>& items, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                 int64_t N, uint16_t* y) {
   const int64_t kp = K / 2, blocks = (N + NB - 1) / NB;
-  for (int64_t b = 0; b < blocks; ++b)
-    items.push_back({reinterpret_cast<const uint32_t*>(x), kp, reinterpret_cast<const uint32_t*>(w) + b * kp * NB, kp,
-                     M, y + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB), b});
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+    const int64_t mc = std::min<int64_t>(ROWS, M - m0);
+    for (int64_t b = 0; b < blocks; ++b)
+      items.push_back({reinterpret_cast<const uint32_t*>(x + m0 * K), kp, reinterpret_cast<const uint32_t*>(w) + b * kp * NB,
+                       kp, mc, y + m0 * N + b * NB, N, (int)std::min<int64_t>(NB, N - b * NB)});
+  }
 }
 
 using mlakit_tiles::load_bf16;
