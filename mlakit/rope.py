@@ -171,17 +171,24 @@ def apply_tables(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def one_pass(device: torch.device, dtype: torch.dtype, dr: int, layout: str) -> bool:
+    """Whether `apply_tables` rotates x of this device, dtype and width (tables of this layout) in one
+    pass (csrc/rows.cpp `rope_rows`): bf16 or fp32 on a CPU where the bf16 core runs, dr a multiple of
+    32. Where it does, a plan of decode rows needs no rotation matrices (`rotation_matrices`)."""
+    if not (layout and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and dr % 32 == 0):
+        return False
+    from mlakit.ops import cpu_core
+
+    return cpu_core.available(torch.bfloat16)
+
+
 def _fused_form(x: torch.Tensor, t: RopeTables):
-    """(x [N, H, dr], cos [N, dr], sin [N, dr]) for the one-pass CPU rope where it takes x and t: bf16
-    or fp32 x on a CPU where the bf16 core runs, dr a multiple of 32, tables per token (over a head
-    axis or not), no autograd, not traced; else None."""
+    """(x [N, H, dr], cos [N, dr], sin [N, dr]) for the one-pass CPU rope where it takes x and t
+    (`one_pass` for x's device, dtype and width; tables per token, over a head axis or not; no
+    autograd, not traced); else None."""
     dr = x.shape[-1]
     if not (
-        t.layout
-        and x.device.type == "cpu"
-        and x.dtype in (torch.bfloat16, torch.float32)
-        and dr % 32 == 0
-        and x.stride(-1) == 1
+        x.stride(-1) == 1
         and t.cos.dtype == t.sin.dtype == torch.float32
         and t.cos.shape == t.sin.shape
         and t.cos.is_contiguous()
@@ -196,9 +203,7 @@ def _fused_form(x: torch.Tensor, t: RopeTables):
         x3, cos, sin = x[:, None], t.cos, t.sin
     else:
         return None
-    from mlakit.ops import cpu_core
-
-    return (x3, cos, sin) if cpu_core.available(torch.bfloat16) else None
+    return (x3, cos, sin) if one_pass(x.device, x.dtype, dr, t.layout) else None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

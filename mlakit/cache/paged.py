@@ -407,11 +407,12 @@ class PagedLatentCache(StepCache):
 
     def table(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Block tables of `slots` as a CPU LongTensor [B, width], BLOCK_SENTINEL past each slot's blocks."""
-        out = torch.full((slots.numel(), width), BLOCK_SENTINEL, dtype=torch.long)
-        for row, slot in enumerate(slots.tolist()):
-            blocks = self.blocks.tables[slot][:width]
-            out[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return out
+        tables = self.blocks.tables
+        rows = [tables[slot][:width] for slot in slots.tolist()]
+        # one tensor from host lists (a tensor and a copy per row cost ~8 us a row at 32 rows)
+        return torch.tensor([r + [BLOCK_SENTINEL] * (width - len(r)) for r in rows], dtype=torch.long).view(
+            len(rows), width
+        )
 
     @property
     def block_table(self) -> torch.Tensor:

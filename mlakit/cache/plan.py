@@ -18,7 +18,7 @@ from mlakit.cache.protocol import StepLife
 from mlakit.dispatch import choose, sparse_path
 from mlakit.ops.absorb import KEY_BLOCK
 from mlakit.ops.common import core_dtype
-from mlakit.rope import _work_dtype, rotation_matrices
+from mlakit.rope import _work_dtype, one_pass, rotation_matrices
 
 # the smallest key bucket: short contexts share one shape
 MIN_BUCKET = 16
@@ -109,7 +109,8 @@ class StepPlan(StepLife):
     # the absorb backend over pages that ran ("triton" | "torch" | "mixed"), set by the layers; None: none
     backend: str | None = None
     # rope in the full-width form `mlakit.rope.apply_tables` reads: keys [N, dr], queries [N, 1, dr];
-    # and, for a step of decode rows only, one rotation per token [N, dr, dr] (a bmm per tensor)
+    # and, for a step of decode rows only where apply_tables has no one-pass form (CUDA, fp64), one
+    # rotation per token [N, dr, dr] (a bmm per tensor)
     rope_k: object = field(default=None, repr=False)
     rope_q: object = field(default=None, repr=False)
     rotation: torch.Tensor | None = field(default=None, repr=False)
@@ -298,7 +299,9 @@ def make_plan(
     cos, sin = rope.cos_sin(positions.to(device))
     rope_k = rope.full_tables(cos, sin)
     all_decode = all(c == 1 for c in counts)
-    rotation = rotation_matrices(rope_k, _work_dtype(cache.dtype)) if all_decode else None
+    # (where `apply_tables` rotates in one pass, decode rows take it: one op per tensor, no bmm)
+    fast = one_pass(rope_k.cos.device, cache.dtype, rope_k.cos.shape[-1], rope_k.layout)
+    rotation = rotation_matrices(rope_k, _work_dtype(cache.dtype)) if all_decode and not fast else None
     slot_mapping = None
     if write_rows is not None:
         rows_flat = write_rows[:, :seq_len].reshape(-1)
