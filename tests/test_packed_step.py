@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 from support.cache import CFG, DSA
-from support.common import assert_close, make_layer, randn
+from support.common import assert_close, make_layer, randn, tiny_config
 
 from mlakit import LatentCache
 from mlakit.cache.paged import PagedLatentCache
+from mlakit.rope import one_pass
 
 PREFIX = {0: 9, 1: 6, 3: 14}  # cached tokens of slots 0, 1, 3 before the step
 # (slot, new tokens): a fresh prompt, a decode row, an extend chunk, another decode row, in the caller's order
@@ -117,3 +118,34 @@ def test_a_packed_hidden_of_the_wrong_length_is_refused_before_any_write():
     assert plan.state == "open" and not plan.ran
     cache.discard(plan)
     assert all(torch.equal(a, b) for a, b in zip(cache.buffers(), before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "half-split"])
+def test_decode_rows_rotate_alike_in_one_pass_and_by_rotation_matrices(interleave, dtype, monkeypatch):
+    """A step of decode rows only rotates its queries and keys by `apply_tables`' one pass where it
+    runs (a rope width of 64; CPUs with the bf16 core), and by one rotation matrix per token where it
+    does not: the same outputs and cached rope keys within the dtype's rounding (the bmm sums the two
+    products in another order)."""
+    cfg = tiny_config(qk_rope_head_dim=64, kv_lora_rank=32, rope_interleave=interleave)
+    layer = make_layer(cfg, seed=3, dtype=dtype)
+    caches = [prefilled("pages", cfg, layer, dtype) for _ in range(2)]
+    slots = list(PREFIX)
+    x = randn(len(slots), cfg.hidden_size, seed=9, dtype=dtype)
+    outs, plans = [], []
+    for cache, matrices in zip(caches, (False, True), strict=True):
+        if matrices:
+            monkeypatch.setattr("mlakit.cache.plan.one_pass", lambda *a: False)
+        with torch.no_grad():
+            plan = cache.plan([1] * len(slots), slots)
+            outs.append(layer(x, plan))
+            cache.commit(plan)
+        plans.append(plan)
+    fast = one_pass(torch.device("cpu"), dtype, 64, "interleave" if interleave else "half")
+    assert (plans[0].rotation is None) == fast and plans[1].rotation is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close("layer output", outs[0], outs[1], rtol=tol)
+    for slot in slots:
+        n = int(caches[0].lengths[slot])
+        got, want = (c.view(torch.tensor([slot]), n)[1] for c in caches)  # k_pe rows
+        assert_close(f"slot {slot} k_pe", got.float(), want.float(), rtol=tol)
