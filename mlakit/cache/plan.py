@@ -300,8 +300,9 @@ def make_plan(
     rope_k = rope.full_tables(cos, sin)
     all_decode = all(c == 1 for c in counts)
     # (where `apply_tables` rotates in one pass, decode rows take it: one op per tensor, no bmm)
-    fast = one_pass(rope_k.cos.device, cache.dtype, rope_k.cos.shape[-1], rope_k.layout)
-    rotation = rotation_matrices(rope_k, _work_dtype(cache.dtype)) if all_decode and not fast else None
+    dr = rope_k.cos.shape[-1]
+    matrices = all_decode and not one_pass(rope_k.cos.device, cache.dtype, dr, rope_k.layout)
+    rotation = rotation_matrices(rope_k, _work_dtype(cache.dtype)) if matrices else None
     slot_mapping = None
     if write_rows is not None:
         rows_flat = write_rows[:, :seq_len].reshape(-1)

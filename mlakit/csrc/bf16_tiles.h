@@ -23,6 +23,11 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 m = 0xFFFF) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+// x rounded to bf16 (nearest even) and widened back to fp32: what a bf16 op's result holds
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 inline __m512 exp512(__m512 x) {
   // exp to ~2 ulp: 2^n * p(r), r = x - n ln2; exactly 0 below -87 (and for -inf)
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);

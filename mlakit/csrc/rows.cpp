@@ -111,8 +111,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = tail(D - d);
         const __m512 y = _mm512_mul_ps(load_bf16(row + d, m), vs);
-        const __m512 yr = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16));
+        const __m512 yr = mlakit_tiles::round_bf16(y);
         _mm256_mask_storeu_epi16(op + r * D + d, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(yr, load_bf16(wp + d, m))));
       }
     }

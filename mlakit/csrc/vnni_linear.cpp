@@ -126,7 +126,8 @@ at::Tensor vnni_heads(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
 // ---- the routed and shared experts of one MoE block over packed weights (a decode step's few rows per
 // expert: one call instead of a few small ops per expert) ----
 
-struct Product {  // one block of one product over a chunk of its rows: rows [M] of x against one packed block into y
+// one block of one product over a chunk of its rows: rows [M] of x against one packed block into y
+struct Product {
   const uint32_t* x;
   int64_t ldx;
   const uint32_t* w;
@@ -168,11 +169,8 @@ void add_blocks(std::vector<Product>& items, const uint16_t* x, int64_t M, int64
 }
 
 using mlakit_tiles::load_bf16;
+using mlakit_tiles::round_bf16;
 using mlakit_tiles::tail;
-
-inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even) and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 
 // act [rows, I] = silu(gate) * up of h [rows, 2I] (gate first), each rounded to bf16 as torch's bf16 ops
 void silu_gate(const uint16_t* h, int64_t rows, int64_t I, uint16_t* act) {
