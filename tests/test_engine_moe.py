@@ -24,7 +24,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from mlakit.engine import packed as packed_mod  # noqa: E402
-from mlakit.engine.moe import MOE_BLOCKS, GroupedMoE, install_moe  # noqa: E402
+from mlakit.engine.moe import MOE_BLOCKS, NOAUX_ROUTERS, GroupedMoE, install_moe, route  # noqa: E402
 from mlakit.engine.packed import packs  # noqa: E402
 
 # family -> (config class, module, MoE block class)
@@ -162,6 +162,31 @@ def test_router_ties():
     x = torch.randn(1, 17, WIDTHS["hidden_size"])
     got, want = grouped_out(block, x), transformers_out(block, x, "eager")
     assert (got - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,routing", CASES)
+def test_route_is_the_routers_own(family, routing, dtype):
+    """`route` gives exactly the router's (weights, experts), its shortcut taken only where the group
+    limit keeps every group; ties (a zero router) included."""
+    block = make_block(family, routing_of(family, routing), dtype=dtype)
+    gate = block.gate
+    x = torch.randn(40, WIDTHS["hidden_size"]).to(dtype)
+    for zero in (False, True):
+        if zero:
+            with torch.no_grad():
+                gate.weight.zero_()
+        with torch.no_grad():
+            _, want_w, want_i = gate(x)
+            got_w, got_i = route(gate, x)
+        assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
+    short = type(gate).__name__ in NOAUX_ROUTERS and gate.num_group == gate.topk_group
+    assert short == (family != "deepseek-v2" and routing == 2)
+    calls = []
+    gate.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        route(gate, x)
+    assert len(calls) == (0 if short else 1)
 
 
 @pytest.mark.parametrize("family", list(BLOCKS))
