@@ -231,3 +231,52 @@ def test_sample_draws_wide_rows_in_one_op(monkeypatch):
         assert within_chi_square(stat, dof), (stat, dof)
     assert len(calls) == 2
     test_greedy_rows_beside_sampled_rows_and_seeded_rows_independent_of_the_rest()
+
+
+def test_bf16_logits_draw_what_their_fp32_widening_draws():
+    """`inverse_cdf_logits` reads bf16 logits (the lm_head's own output) as their exact fp32 widening:
+    the same token for every uniform, -inf entries and a row of all -inf included."""
+    need_fused_draw()
+    g = torch.Generator().manual_seed(13)
+    rows, v = 64, 5000
+    logits = (torch.randn(rows, v, generator=g) * 4).to(torch.bfloat16)
+    logits[:, torch.randperm(v, generator=g)[:700]] = float("-inf")
+    logits[5] = float("-inf")
+    u = torch.rand(rows, dtype=torch.float64, generator=g)
+    inv = torch.rand(rows, generator=g) + 0.5
+    got = torch.ops.mlakit_cpu.inverse_cdf_logits(logits, inv, u)
+    assert torch.equal(got, torch.ops.mlakit_cpu.inverse_cdf_logits(logits.float(), inv, u))
+    assert got[5].item() == v - 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(seed=3)],
+        [SamplingParams(temperature=0)] * 3,
+        [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingParams(temperature=0)],
+        [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(temperature=0)],
+        [SamplingParams(repetition_penalty=1.3), SamplingParams(), SamplingParams(temperature=0)],
+    ],
+)
+def test_sample_reads_bf16_logits_as_their_widening(params, monkeypatch):
+    """sample() on bf16 logits gives what it gives on their fp32 widening (tokens and log-probabilities),
+    reading them unwidened only where nothing but the fused draw and argmax reads them."""
+    import mlakit.engine.sampler as sampler
+
+    g = torch.Generator().manual_seed(14)
+    v = 3000
+    logits = (torch.randn(len(params), v, generator=g) * 3).to(torch.bfloat16)
+    history = [([1, 2, 3, 4], 2)] * len(params)
+    outs = []
+    for x in (logits, logits.float()):
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        outs.append(sample(x, params, gens, torch.Generator().manual_seed(5), history, eos=1))
+    assert outs[0] == outs[1]
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.shape) or real_float(t))
+    sample(logits, params, [None] * len(params), torch.Generator().manual_seed(5), history, eos=1)
+    plain = sampler.plain(logits, params)
+    assert plain == (params[0].top_k <= 0 and params[0].logprobs is None and not params[0].penalized)
+    assert (tuple(logits.shape) in widened) == (not plain)

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,15 +27,25 @@ constexpr int64_t BLOCK = 1024;  // mlakit/engine/sampler.py: CDF_BLOCK
 using mlakit_tiles::load_bf16;
 using mlakit_tiles::tail;
 
-inline __m512 weights(const float* x, int64_t i, __mmask16 m, __m512 top, __m512 it) {
-  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(mlakit_tiles::NEG_INF), m, x + i);
+// 16 logits from i (lanes past the mask -inf), fp32 or bf16 (widened exactly: the fp32 path's values)
+template <class T>
+inline __m512 logits16(const T* x, int64_t i, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(mlakit_tiles::NEG_INF), m, x + i);
+  else
+    return _mm512_mask_mov_ps(_mm512_set1_ps(mlakit_tiles::NEG_INF), m, load_bf16(x + i, m));
+}
+
+template <class T>
+inline __m512 weights(const T* x, int64_t i, __mmask16 m, __m512 top, __m512 it) {
+  const __m512 v = logits16(x, i, m);
   return _mm512_maskz_mov_ps(m, mlakit_tiles::exp512(_mm512_mul_ps(_mm512_sub_ps(v, top), it)));
 }
 
-int64_t draw(const float* x, int64_t V, float it, double u, std::vector<double>& cdf) {
+template <class T>
+int64_t draw(const T* x, int64_t V, float it, double u, std::vector<double>& cdf) {
   __m512 mx = _mm512_set1_ps(mlakit_tiles::NEG_INF);
-  for (int64_t i = 0; i < V; i += 16)
-    mx = _mm512_mask_max_ps(mx, tail(V - i), mx, _mm512_loadu_ps(x + i));
+  for (int64_t i = 0; i < V; i += 16) mx = _mm512_max_ps(mx, logits16(x, i, tail(V - i)));
   const float top = _mm512_reduce_max_ps(mx);
   if (!(top > mlakit_tiles::NEG_INF)) return V - 1;  // no token has weight (or NaN)
   const __m512 vt = _mm512_set1_ps(top), vi = _mm512_set1_ps(it);
@@ -67,21 +78,27 @@ int64_t draw(const float* x, int64_t V, float it, double u, std::vector<double>&
   return hi - 1;
 }
 
-// x [R, V] fp32 logits (rows contiguous), inv_temp [R] fp32, u [R] fp64 uniforms in [0, 1) -> [R] int64
+// x [R, V] fp32 or bf16 logits (rows contiguous), inv_temp [R] fp32, u [R] fp64 uniforms in [0, 1) ->
+// [R] int64; bf16 logits draw exactly what their fp32 widening would
 at::Tensor inverse_cdf_logits(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& u) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "inverse_cdf_logits: x [R, V] fp32");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              "inverse_cdf_logits: x [R, V] fp32 or bf16");
   const int64_t R = x.size(0), V = x.size(1);
   TORCH_CHECK(V > 0 && inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == R,
               "inverse_cdf_logits: inv_temp [R] fp32");
   TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == R, "inverse_cdf_logits: u [R] fp64");
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   const float* it = inv_temp.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
+  const bool narrow = x.scalar_type() == at::kBFloat16;
+  const auto* xf = narrow ? nullptr : x.data_ptr<float>();
+  const auto* xb = narrow ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<double> cdf;
-    for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * x.stride(0), V, it[r], up[r], cdf);
+    for (int64_t r = r0; r < r1; ++r)
+      op[r] = narrow ? draw(xb + r * x.stride(0), V, it[r], up[r], cdf) : draw(xf + r * x.stride(0), V, it[r], up[r], cdf);
   });
   return out;
 }

@@ -223,7 +223,7 @@ class LLMEngine:
             raise
         self.cache.commit(plan)
         # the lm_head (the runner applies it to the kept rows) is model time
-        logits = self.runner.logits(hidden[: len(sampling)]) if sampling else None
+        logits = self.runner.logits(hidden[: len(sampling)], fp32=False) if sampling else None
         if scored:
             self._score(scored, hidden[len(sampling) :])
         t2 = time.perf_counter()

@@ -238,9 +238,10 @@ class ModelRunner:
         return hidden.index_select(0, torch.tensor(keep, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, D] -> [M, V] fp32."""
-        return self.head(hidden).float()
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """[M, D] -> [M, V] fp32 (fp32=False: in the head's own dtype, for `sample` to widen as it reads)."""
+        out = self.head(hidden)
+        return out.float() if fp32 else out
 
     @torch.inference_mode()
     def token_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int):
