@@ -189,6 +189,24 @@ def test_route_is_the_routers_own(family, routing, dtype):
     assert len(calls) == (0 if short else 1)
 
 
+def test_route_checks_the_router_class_once_against_its_own_forward():
+    """A router class of a known name that routes otherwise (another transformers version, say) keeps
+    its own forward: `route` compares the short form with it once per class, on random rows."""
+    block = make_block("deepseek-v3", routing_of("deepseek-v3", 2))  # n_group == topk_group
+    real = type(block.gate)
+
+    def forward(self, hidden_states):  # the same, but weights not normalized
+        _, w, i = real.forward(self, hidden_states)
+        return None, w * 2.0, i
+
+    block.gate.__class__ = type(real.__name__, (real,), {"forward": forward})
+    x = torch.randn(40, WIDTHS["hidden_size"])
+    with torch.no_grad():
+        _, want_w, want_i = block.gate(x)
+        got_w, got_i = route(block.gate, x)
+    assert torch.equal(got_w, want_w) and torch.equal(got_i, want_i)
+
+
 @pytest.mark.parametrize("family", list(BLOCKS))
 def test_bf16_bound(family):
     block = make_block(family, routing_of(family, 0), dtype=torch.bfloat16)
