@@ -92,14 +92,17 @@ at::Tensor inverse_cdf_logits(const at::Tensor& x, const at::Tensor& inv_temp, c
   const float* it = inv_temp.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
-  const bool narrow = x.scalar_type() == at::kBFloat16;
-  const auto* xf = narrow ? nullptr : x.data_ptr<float>();
-  const auto* xb = narrow ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<double> cdf;
-    for (int64_t r = r0; r < r1; ++r)
-      op[r] = narrow ? draw(xb + r * x.stride(0), V, it[r], up[r], cdf) : draw(xf + r * x.stride(0), V, it[r], up[r], cdf);
-  });
+  const int64_t ld = x.stride(0);
+  auto rows = [&](const auto* xp) {
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<double> cdf;
+      for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * ld, V, it[r], up[r], cdf);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
+  else
+    rows(x.data_ptr<float>());
   return out;
 }
 

@@ -157,7 +157,7 @@ def sample(
     u = _uniforms([generators[i] for i in rows], shared, dev)
     if _fused_draw(picked):
         # from the logits in one op: temperature, exp and the running sums without the softmax's copies
-        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampled)
+        filtered = any(map(_filters, sampled))
         x = _filter(picked, sampled) if filtered else picked
         inv = torch.tensor([1.0 if filtered else 1.0 / p.temperature for p in sampled], dtype=torch.float32)
         tokens[idx] = torch.ops.mlakit_cpu.inverse_cdf_logits(x.contiguous(), inv, u)
@@ -178,6 +178,11 @@ def _fused_draw(x: torch.Tensor) -> bool:
     )
 
 
+def _filters(p: SamplingParams) -> bool:
+    """Whether a row's draw is filtered (top-k, top-p or min-p)."""
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
 def plain(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
     """Whether `sample` reads these (bf16) logits as they are: no row asks for log-probabilities,
     penalties, `min_tokens` or a top-k / top-p / min-p filter, and every sampled row is drawn by
@@ -186,7 +191,7 @@ def plain(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
     if any(p.logprobs is not None or p.penalized or p.min_tokens for p in params):
         return False
     sampled = [p for p in params if not p.greedy]
-    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampled):
+    if any(map(_filters, sampled)):
         return False
     return not sampled or _fused_draw(logits)
 
