@@ -25,15 +25,20 @@ namespace {
 constexpr int NB = 32;     // output columns per block
 constexpr int64_t ROWS = 256;  // rows of x a pass over the weight takes at most
 
-// MT rows x 32 columns over the block's kp pairs; y rows of ldy, columns [n0, n0 + live)
+// MT rows x 32 columns over the block's kp pairs; y rows of ldy, columns [n0, n0 + live). `next`: a
+// block (kp x 128 bytes) to bring into L2 meanwhile, two lines a step, or null
 template <int MT>
 inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
-                 uint16_t* y, int64_t ldy, int live) {
+                 uint16_t* y, int64_t ldy, int live, const uint32_t* next) {
   __m512 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kp; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * NB), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * NB + 16), _MM_HINT_T0);
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NB), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NB + 16), _MM_HINT_T1);
+    }
     const __m512i b0 = _mm512_loadu_si512(w + k * NB), b1 = _mm512_loadu_si512(w + k * NB + 16);
     for (int m = 0; m < MT; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[m * ldx + k]);
@@ -56,13 +61,17 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t kp, 
   }
 }
 
-using Tile = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, uint16_t*, int64_t, int);
+using Tile = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, uint16_t*, int64_t, int,
+                     const uint32_t*);
 constexpr Tile TILES[9] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "vnni_linear: ", what); }
 
 // the tiles of blocks [b0, b1) of `heads` products sharing M rows: head h reads x + h * xh (rows ldx
-// pairs apart) against its `blocks` blocks and writes y + h * N (rows ldy apart)
+// pairs apart) against its `blocks` blocks and writes y + h * N (rows ldy apart). Past 8 rows a block
+// is read once from memory and again from L2 for each further tile: the last tile brings the next
+// block into L2, so the next block's first tile does not wait on memory (the lm_head at 32 rows, two
+// threads: 7-16% less time)
 void run(const uint32_t* x, int64_t ldx, int64_t xh, const uint32_t* w, int64_t blocks, int64_t kp, int64_t M,
          int64_t N, const float* bias, uint16_t* y, int64_t ldy, int64_t b0, int64_t b1) {
   for (int64_t i = b0; i < b1; ++i) {
@@ -71,7 +80,9 @@ void run(const uint32_t* x, int64_t ldx, int64_t xh, const uint32_t* w, int64_t 
     const float* b = bias == nullptr ? nullptr : bias + blk * NB;
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const int mt = (int)std::min<int64_t>(8, M - m0);
-      TILES[mt](x + h * xh + m0 * ldx, ldx, w + i * kp * NB, kp, b, y + h * N + m0 * ldy + blk * NB, ldy, live);
+      const bool ahead = M > 8 && m0 + 8 >= M && i + 1 < b1;
+      TILES[mt](x + h * xh + m0 * ldx, ldx, w + i * kp * NB, kp, b, y + h * N + m0 * ldy + blk * NB, ldy, live,
+                ahead ? w + (i + 1) * kp * NB : nullptr);
     }
   }
 }
@@ -148,7 +159,7 @@ void products(const std::vector<Product>& items) {
       const Product& q = items[i];
       for (int64_t m0 = 0; m0 < q.M; m0 += 8) {
         const int mt = (int)std::min<int64_t>(8, q.M - m0);
-        TILES[mt](q.x + m0 * q.ldx, q.ldx, q.w, q.kp, nullptr, q.y + m0 * q.ldy, q.ldy, q.live);
+        TILES[mt](q.x + m0 * q.ldx, q.ldx, q.w, q.kp, nullptr, q.y + m0 * q.ldy, q.ldy, q.live, nullptr);
       }
     }
   });
