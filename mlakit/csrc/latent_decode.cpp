@@ -91,14 +91,35 @@ struct Scratch {
   }
 };
 
+// keys read this far ahead of the score tiles are asked of memory into L2: at a decode step a paged
+// cache's rows come from memory, and hardware prefetchers stop at each 4 KiB page (every 3.6 rows of
+// DeepSeek-V3's 1,152 bytes). 8 layers of 32 sequences x 150 keys, caches evicted, Zen 4: two threads
+// 8.05 -> 7.03 ms, one thread 13.2 -> 11.3 ms
+constexpr int AHEAD = 32;
+
+// one cache line into L2, as an instruction the compiler keeps: GCC 12 (-O1 and up) deleted the loops
+// below when they were written with _mm_prefetch, nothing else being in them
+inline void prefetch_l2(const char* line) { asm volatile("prefetcht1 %0" : : "m"(*line)); }
+
+// keys [t0, t1) of sequence b into L2
+inline void prefetch_keys(const Problem& p, int64_t b, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* c = reinterpret_cast<const char*>(ckv_row(p, b, t));
+    for (int l = 0; l < p.L * 2; l += 64) prefetch_l2(c + l);
+    const char* r = reinterpret_cast<const char*>(kpe_row(p, b, t));
+    for (int l = 0; l < p.R * 2; l += 64) prefetch_l2(r + l);
+  }
+}
+
 // scores of one block of keys [k0, k0 + n) against the item's rows (packed at qp, ld GR), masked,
-// into s.st [KB][nrp]
+// into s.st [KB][nrp]; the keys AHEAD on (up to kend, the item's last) asked for meanwhile
 void block_scores(const Problem& p, Scratch& s, int64_t b, int64_t k0, int n, const uint32_t* qp, int nr,
-                  int nrp) {
+                  int nrp, int64_t kend) {
   const int nn = (n + 7) / 8 * 8;
   const uint32_t* kc[8];
   const uint32_t* kr[8];
   for (int t0 = 0; t0 < nn; t0 += 8) {
+    prefetch_keys(p, b, k0 + t0 + AHEAD, std::min<int64_t>(k0 + t0 + AHEAD + 8, kend));
     for (int m = 0; m < 8; ++m) {
       const int64_t t = k0 + std::min(t0 + m, n - 1);  // padding keys repeat the last one (masked below)
       kc[m] = reinterpret_cast<const uint32_t*>(ckv_row(p, b, t));
@@ -145,10 +166,12 @@ void attend_part(const Problem& p, int64_t b, int64_t k0, int64_t k1, int r0, in
   int64_t hi = 0;
   for (int r = 0; r < nr; ++r) hi = std::max(hi, s.lim[r]);
   const uint32_t* qp = p.qpack + ((size_t)b * p.G + r0 / p.GR) * p.KP * p.GR;
-  for (int64_t kb = k0; kb < std::min(k1, hi); kb += KB) {
-    const int n = (int)std::min<int64_t>(KB, std::min(k1, hi) - kb);
+  const int64_t kend = std::min(k1, hi);
+  prefetch_keys(p, b, k0, std::min<int64_t>(k0 + AHEAD, kend));
+  for (int64_t kb = k0; kb < kend; kb += KB) {
+    const int n = (int)std::min<int64_t>(KB, kend - kb);
     const int nn = (n + 7) / 8 * 8;
-    block_scores(p, s, b, kb, n, qp, nr, nrp);
+    block_scores(p, s, b, kb, n, qp, nr, nrp, kend);
     // online softmax over the block's nn keys: running max, both denominators, bf16 pairs in s.pt
     softmax_block(s.st.data(), nrp, nrp, nn, s.m.data(), s.d.data(), s.dr.data(), s.alpha.data(), s.pt.data());
     block_values(p, s, b, kb, n, nn);
