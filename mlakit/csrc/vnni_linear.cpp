@@ -151,20 +151,26 @@ struct Product {
   int live;
 };
 
-// every thread of the pool claims the next item from one counter until none is left: experts' row
-// counts differ from step to step, so fixed shares leave one thread waiting on the other; each item
-// writes its own rows and columns, so the result does not depend on who took what
+// every thread of the pool claims the next run of items from one counter until none is left: experts'
+// row counts differ from step to step, so fixed shares leave one thread waiting on the other; each item
+// writes its own rows and columns, so the result does not depend on who took what. A run is up to 8
+// consecutive items (an expert's blocks are one stream in memory, and a tile's prefetches run on past
+// its block into the next: claimed one by one, that next block was often the other core's; 7 demo
+// MoE blocks at 32 decode rows, Zen 4, two threads: 10.9 -> 9.3 ms), shorter where there are fewer
+// than 8 runs a thread
 void products(const std::vector<Product>& items) {
-  const int64_t n = (int64_t)items.size();
+  const int64_t n = (int64_t)items.size(), threads = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t run = std::max<int64_t>(1, std::min<int64_t>(8, n / std::max<int64_t>(1, threads * 8)));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const Product& q = items[i];
-      for (int64_t m0 = 0; m0 < q.M; m0 += 8) {
-        const int mt = (int)std::min<int64_t>(8, q.M - m0);
-        TILES[mt](q.x + m0 * q.ldx, q.ldx, q.w, q.kp, nullptr, q.y + m0 * q.ldy, q.ldy, q.live, nullptr);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(run, std::memory_order_relaxed)) < n;)
+      for (int64_t i = i0; i < std::min(n, i0 + run); ++i) {
+        const Product& q = items[i];
+        for (int64_t m0 = 0; m0 < q.M; m0 += 8) {
+          const int mt = (int)std::min<int64_t>(8, q.M - m0);
+          TILES[mt](q.x + m0 * q.ldx, q.ldx, q.w, q.kp, nullptr, q.y + m0 * q.ldy, q.ldy, q.live, nullptr);
+        }
       }
-    }
   });
 }
 
