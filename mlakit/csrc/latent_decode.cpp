@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include "bf16_tiles.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -97,17 +98,11 @@ struct Scratch {
 // 8.05 -> 7.03 ms, one thread 13.2 -> 11.3 ms
 constexpr int AHEAD = 32;
 
-// one cache line into L2, as an instruction the compiler keeps: GCC 12 (-O1 and up) deleted the loops
-// below when they were written with _mm_prefetch, nothing else being in them
-inline void prefetch_l2(const char* line) { asm volatile("prefetcht1 %0" : : "m"(*line)); }
-
-// keys [t0, t1) of sequence b into L2
+// keys [t0, t1) of sequence b into L2 (csrc/prefetch.h: as instructions the compiler keeps)
 inline void prefetch_keys(const Problem& p, int64_t b, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    const char* c = reinterpret_cast<const char*>(ckv_row(p, b, t));
-    for (int l = 0; l < p.L * 2; l += 64) prefetch_l2(c + l);
-    const char* r = reinterpret_cast<const char*>(kpe_row(p, b, t));
-    for (int l = 0; l < p.R * 2; l += 64) prefetch_l2(r + l);
+    mlakit_prefetch::span_l2(ckv_row(p, b, t), p.L * 2);
+    mlakit_prefetch::span_l2(kpe_row(p, b, t), p.R * 2);
   }
 }
 

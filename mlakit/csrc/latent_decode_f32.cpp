@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -132,17 +134,11 @@ void key_tile(const Problem& p, Scratch& s, int64_t b, int64_t k0, int t0, int n
 // prefetch_keys: hardware prefetchers stop at each 4 KiB page, two fp32 rows of DeepSeek-V3's latent)
 constexpr int AHEAD = 24;
 
-// one cache line into L2, as an instruction the compiler keeps (GCC 12 deleted _mm_prefetch loops
-// with nothing else in them)
-inline void prefetch_l2(const char* line) { asm volatile("prefetcht1 %0" : : "m"(*line)); }
-
 // keys [t0, t1) of sequence b into L2
 inline void prefetch_keys(const Problem& p, int64_t b, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    const char* c = reinterpret_cast<const char*>(ckv_row(p, b, t));
-    for (int l = 0; l < p.L * 4; l += 64) prefetch_l2(c + l);
-    const char* r = reinterpret_cast<const char*>(kpe_row(p, b, t));
-    for (int l = 0; l < p.R * 4; l += 64) prefetch_l2(r + l);
+    mlakit_prefetch::span_l2(ckv_row(p, b, t), p.L * 4);
+    mlakit_prefetch::span_l2(kpe_row(p, b, t), p.R * 4);
   }
 }
 

@@ -63,7 +63,13 @@ BF16 = Core(
     "mlakit_cpu_core.so",
     "mlakit_cpu",
     "",
-    (CSRC / "prefill_attention.cpp", CSRC / "vnni_linear.cpp", CSRC / "rows.cpp", CSRC / "bf16_tiles.h"),
+    (
+        CSRC / "prefill_attention.cpp",
+        CSRC / "vnni_linear.cpp",
+        CSRC / "rows.cpp",
+        CSRC / "bf16_tiles.h",
+        CSRC / "prefetch.h",
+    ),
 )
 F32 = Core(
     "fused-avx2-fp32",
@@ -73,6 +79,7 @@ F32 = Core(
     "mlakit_cpu_f32.so",
     "mlakit_cpu_f32",
     "fp32 ",
+    (CSRC / "prefetch.h",),
     group_rows=64,
 )
 CORE_FOR = {torch.bfloat16: BF16, torch.float32: F32}
