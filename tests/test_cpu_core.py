@@ -373,3 +373,23 @@ def test_the_fp32_core_is_built_apart_and_turned_off_by_the_same_switch(monkeypa
     assert "latent_decode_f32.cpp" in " ".join(cpu_core._compile_command(tmp_path / "x.so", cpu_core.F32))
     monkeypatch.setenv("MLAKIT_CPU_CORE", "off")
     assert cpu_core._load(cpu_core.F32) == (False, "MLAKIT_CPU_CORE turns it off")
+
+
+def test_every_file_a_core_builds_from_ships_in_the_package():
+    # an installed (not editable) mlakit builds the cores from the files package-data ships: a header
+    # left out made the bf16 core fail to build there and fall back to the torch core
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(cpu_core.__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").exists():
+        pytest.skip("mlakit is installed, not run from its source tree")
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "mlakit"
+    ]
+    package = root / "mlakit"
+    for core in (cpu_core.BF16, cpu_core.F32):
+        for path in (core.source, *core.extra):
+            name = path.relative_to(package).as_posix()
+            assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
