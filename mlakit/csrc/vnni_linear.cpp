@@ -35,7 +35,8 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t kp, 
   for (int64_t k = 0; k < kp; ++k) {
     // 48 steps (6 KiB) ahead into L2, not L1: L1's few fill buffers capped the misses in flight, so a
     // block streaming from memory waited on it (the experts at a decode step's ~8 rows an expert: the
-    // memory reads and the products overlapped barely; this took 10-15% off them, linears unchanged)
+    // memory reads and the products overlapped barely; this took 10-15% off them, linears unchanged).
+    // _mm_prefetch here, not csrc/prefetch.h's asm: the asm in this loop halved the tile's speed
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 48) * NB), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 48) * NB + 16), _MM_HINT_T1);
     if (next != nullptr) {
