@@ -337,6 +337,14 @@ class MLAAttention(nn.Module):
             plan.claim(self.layer_idx, self)
         return self._compute(hidden_states, plan, self.layer_idx)
 
+    def engine_run(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """`run` for the engine's own steps (mlakit.engine.loop): packed tokens x [N, D] of a plan the
+        engine made over its cache, for a layer of that cache's config, so `run`'s checks of the
+        caller's tensors and plan are skipped; the layer still claims its index."""
+        if plan.cache is not None:
+            plan.claim(self.layer_idx, self)
+        return self._compute(x, plan, self.layer_idx)
+
     def _compute(self, hidden_states: torch.Tensor, plan: StepPlan, layer: int) -> torch.Tensor:
         """Projections, rope, cache write, each row group's path, o_proj over the step's packed tokens;
         nothing read back to the host. A rectangle [B, S, D] is packed first and unpacked at the end."""

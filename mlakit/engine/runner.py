@@ -1,10 +1,12 @@
 """ModelRunner: the only part of the engine that holds tensors.
 
-The model runs its own transformers forward (embeddings, norms, MLP/MoE, lm_head, every family's
-scales), its attention modules replaced by `EngineAttention`: mlakit `MLAAttention` layers sharing the
-original weights, all reading one `StepPlan` over one `PagedLatentCache`. The step's tokens are packed
-end to end ([1, N, D] through the decoder layers, [N, D] into each attention, N the real token count,
-in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
+The model runs its own modules (embeddings, norms, MLP/MoE, lm_head, every family's scales), its
+attention modules replaced by `EngineAttention`: mlakit `MLAAttention` layers sharing the original
+weights, all reading one `StepPlan` over one `PagedLatentCache`. Eager steps of DeepSeek-V2, V3 / Kimi K2
+and GLM-4.7-Flash call those modules through the engine's decoder loop (mlakit/engine/loop.py), the other
+families through the model's transformers forward. The step's tokens are packed end to end ([N, D]
+through the loop's layers, [1, N, D] through the model's, [N, D] into each attention; N the real token
+count, in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
 hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
 head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
 The same forward runs eager or, for the token-count buckets `enable_compile` is given, compiled
@@ -21,6 +23,7 @@ from torch import nn
 from mlakit.attention import MLAAttention
 from mlakit.config import MLAConfig
 from mlakit.engine import compiled
+from mlakit.engine.loop import DecoderLoop
 from mlakit.engine.moe import install_moe
 from mlakit.engine.packed import fuse_norms, pack_model
 
@@ -131,6 +134,8 @@ class ModelRunner:
                 mla.pack_up()
             fuse_norms(model)
         self.head = model.lm_head
+        # the decoder loop without transformers' model code, for the families whose forward it is
+        self.loop = DecoderLoop.build(model, self.layers)
         self.vocab_size = model.config.vocab_size
         self._mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         # the compiled step (mlakit/engine/compiled.py): token-count buckets, those that run compiled,
@@ -198,6 +203,9 @@ class ModelRunner:
 
     def _run_eager(self, ids: list[int], positions: list[int], keep: list[int]):
         dev = self.device
+        if self.loop is not None and not self.loop.hooked():
+            ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+            return self.loop(self.ctx.plan, ids_t, torch.tensor(keep, dtype=torch.long, device=dev))
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.long, device=dev),

@@ -1,0 +1,69 @@
+"""The engine's decoder loop (mlakit/engine/loop.py) against the model's own forward: the families it
+takes, the same tokens and bit-identical log-probabilities with and without it (fp32 and bf16, steps
+that chunk prompts, mix prefill with decode and reuse cached prefixes), and hooks on a bypassed module
+sending the step back to the model's forward."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("xxhash")
+
+import torch  # noqa: E402
+from support.engine import FAMILIES, prompts, tiny_model  # noqa: E402
+
+from mlakit.engine import LLM, SamplingParams  # noqa: E402
+from mlakit.engine.loop import DecoderLoop  # noqa: E402
+
+LOOPED = ("deepseek-v3", "deepseek-v2", "glm-4.7-flash")
+ENGINE = dict(num_blocks=40, block_size=16, max_num_seqs=6, max_num_batched_tokens=64)
+LENGTHS = [1, 9, 70, 33, 120, 5]
+
+
+def generate(family: str, dtype: torch.dtype, loop: bool):
+    llm = LLM(tiny_model(family).to(dtype), **ENGINE)
+    runner = llm.llm_engine.runner
+    assert (runner.loop is not None) == (family in LOOPED)
+    if not loop:
+        runner.loop = None
+    ps = prompts(12, LENGTHS, shared=40)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loop_takes_the_families_whose_forward_it_is(family):
+    llm = LLM(tiny_model(family), **ENGINE)
+    runner = llm.llm_engine.runner
+    built = DecoderLoop.build(runner.model, runner.layers)
+    assert (built is not None) == (family in LOOPED), family
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", LOOPED)
+def test_loop_gives_the_model_forwards_numbers(family, dtype):
+    want, _ = generate(family, dtype, loop=False)
+    got, llm = generate(family, dtype, loop=True)
+    # every step's hidden states are the same bits: the same tokens and the same log-probability floats
+    assert got == want
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+    llm.llm_engine.check()
+
+
+def test_a_hook_on_a_bypassed_module_runs_the_model_forward():
+    llm = LLM(tiny_model("deepseek-v3"), **ENGINE)
+    runner = llm.llm_engine.runner
+    calls = []
+    handle = runner.model.model.layers[1].register_forward_hook(lambda m, a, out: calls.append(1))
+    assert runner.loop.hooked()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    hooked = llm.generate(prompts(2, [6, 11]), params, use_tqdm=False)
+    assert len(calls) >= 3  # the prompts' steps and the decode steps ran the model's forward
+    handle.remove()
+    assert not runner.loop.hooked()
+    calls.clear()
+    plain = llm.generate(prompts(2, [6, 11]), params, use_tqdm=False)
+    assert not calls
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in hooked]
