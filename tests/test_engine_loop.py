@@ -1,7 +1,8 @@
 """The engine's decoder loop (mlakit/engine/loop.py) against the model's own forward: the families it
 takes, the same tokens and bit-identical log-probabilities with and without it (fp32 and bf16, steps
-that chunk prompts, mix prefill with decode and reuse cached prefixes), and hooks on a bypassed module
-sending the step back to the model's forward."""
+that chunk prompts, mix prefill with decode and reuse cached prefixes; at widths the fused bf16 core
+takes, its decode steps' attention through mlakit/engine/decode.py where this CPU runs that core), and
+hooks on a bypassed module sending the step back to the model's forward."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ import torch  # noqa: E402
 from support.engine import FAMILIES, prompts, tiny_model  # noqa: E402
 
 from mlakit.engine import LLM, SamplingParams  # noqa: E402
+from mlakit.engine import loop as loop_mod  # noqa: E402
 from mlakit.engine.loop import DecoderLoop  # noqa: E402
+from mlakit.engine.packed import packs  # noqa: E402
+from mlakit.ops import cpu_core  # noqa: E402
+from mlakit.ops.vnni import vnni_packs  # noqa: E402
 
 LOOPED = ("deepseek-v3", "deepseek-v2", "glm-4.7-flash")
 ENGINE = dict(num_blocks=40, block_size=16, max_num_seqs=6, max_num_batched_tokens=64)
 LENGTHS = [1, 9, 70, 33, 120, 5]
+# widths the fused bf16 core and the one-pass rope take (the tiny models' 16 / 8 they do not)
+WIDE = dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=16, q_lora_rank=32)
 
 
-def generate(family: str, dtype: torch.dtype, loop: bool):
-    llm = LLM(tiny_model(family).to(dtype), **ENGINE)
+def generate(family: str, dtype: torch.dtype, loop: bool, **extra):
+    llm = LLM(tiny_model(family, **extra).to(dtype), **ENGINE)
     runner = llm.llm_engine.runner
     assert (runner.loop is not None) == (family in LOOPED)
     if not loop:
@@ -43,13 +50,29 @@ def test_loop_takes_the_families_whose_forward_it_is(family):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", LOOPED)
-def test_loop_gives_the_model_forwards_numbers(family, dtype):
-    want, _ = generate(family, dtype, loop=False)
-    got, llm = generate(family, dtype, loop=True)
+@pytest.mark.parametrize("wide", [False, True], ids=["tiny", "wide"])
+def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, monkeypatch):
+    extra = WIDE if wide else {}
+    fast = []
+    real = loop_mod.absorb_in_place
+
+    def counted(mla, x, plan):
+        out = real(mla, x, plan)
+        fast.append(out is not None)
+        return out
+
+    monkeypatch.setattr(loop_mod, "absorb_in_place", counted)
+    want, _ = generate(family, dtype, loop=False, **extra)
+    assert not fast
+    got, llm = generate(family, dtype, loop=True, **extra)
     # every step's hidden states are the same bits: the same tokens and the same log-probability floats
     assert got == want
     assert llm.llm_engine.stats.prefix_cache_hits > 0
     llm.llm_engine.check()
+    # decode steps' attention in a dozen ops exactly where the packed bf16 weights and the core are
+    bf16 = dtype == torch.bfloat16
+    can = wide and bf16 and packs(dtype, "cpu") and vnni_packs() and cpu_core.available(dtype)
+    assert any(fast) == bool(can), (fast.count(True), len(fast))
 
 
 def test_a_hook_on_a_bypassed_module_runs_the_model_forward():

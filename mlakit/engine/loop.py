@@ -5,9 +5,11 @@ same numbers (tests/test_engine_loop.py compares them bit for bit with the model
 leaves out is per-step work the engine never uses: rotary tables (mlakit's layers read the plan's),
 the causal-mask and output-capture plumbing, keyword arguments forwarded through every decoder layer,
 the attention slot's tuple, and the attention layer's checks of a caller's plan (`MLAAttention.engine_run`:
-the engine made the plan). A 32-row decode step of the demo model (bf16, AMD EPYC Zen 4, steps alternating
-with and without the loop in one process, medians): two threads 57.6 -> 56.9 and 68.7 -> 67.7 ms, one
-thread 103.0 -> 101.3 ms.
+the engine made the plan). Decode steps' attention layers go through mlakit/engine/decode.py where they
+can (packed bf16 weights, the fused core). A 32-row decode step of the demo model (bf16, AMD EPYC Zen 4,
+steps of the three forms alternating in one process; medians / minima, ms): two threads, the model's
+forward 63.9 / 56.7, the loop 62.1 / 56.3, with decode.py 61.7 / 54.3; one thread's CPU time 116.8 /
+104.6, 116.3 / 99.8, 114.2 / 97.2 (run to run, this machine's step times moved by 10-15%).
 
 Families whose forward differs (MiniCPM3's scaled residuals, DSA's shared top-k in V3.2 / GLM-5) keep
 the model's forward, and so does any step where a bypassed module (the model, a decoder layer, an
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from mlakit.engine.decode import absorb_in_place, plan_fits
 from mlakit.linear import call
 
 # the inner model's class -> its decoder layer's: forwards checked to be the loop below
@@ -79,8 +82,11 @@ class DecoderLoop:
 
     def __call__(self, plan, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         h = call(self.embed, ids)  # [N, D]
+        decode = plan_fits(plan)
         for norm_in, mla, norm_post, mlp in self.layers:
-            h = h + mla.engine_run(call(norm_in, h), plan)
+            x = call(norm_in, h)
+            out = absorb_in_place(mla, x, plan) if decode else None
+            h = h + (mla.engine_run(x, plan) if out is None else out)
             h = h + call(mlp, call(norm_post, h))
         # the norm is per row: the kept rows alone, as the model's norm over all then the head's slice
         return call(self.norm, h.index_select(0, keep))

@@ -6,11 +6,11 @@ weights, all reading one `StepPlan` over one `PagedLatentCache`. Eager steps of 
 and GLM-4.7-Flash call those modules through the engine's decoder loop (mlakit/engine/loop.py), the other
 families through the model's transformers forward. The step's tokens are packed end to end ([N, D]
 through the loop's layers, [1, N, D] through the model's, [N, D] into each attention; N the real token
-count, in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands back the final
-hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner applies the
-head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay bounded.
-The same forward runs eager or, for the token-count buckets `enable_compile` is given, compiled
-(mlakit/engine/compiled.py; the engine chooses at start, mlakit/engine/warmup.py).
+count, in the plan's row order: decode -> extend -> prefill); no padding anywhere. The forward hands
+back the final hidden states of the rows the engine keeps (the model's lm_head is skipped); the runner
+applies the head itself, a slice of rows at a time, so prompt log-probabilities over a whole chunk stay
+bounded. The same forward runs eager or, for the token-count buckets `enable_compile` is given,
+compiled (mlakit/engine/compiled.py; the engine chooses at start, mlakit/engine/warmup.py).
 """
 
 from __future__ import annotations
