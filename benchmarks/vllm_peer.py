@@ -22,8 +22,9 @@ the ratio against the target, the roofline line (active-parameter FLOPs per toke
 compute dtype, `--dtype`, measured in this run with the same threads: the output tok/s against it, which
 also pays for every prompt's prefill, and the decode phase alone, concurrency / TPOT p50) and, with
 --threads 1 2, the second thread's ratio at concurrency 32. `--repeat N` runs each workload N times per
-server start and takes the run of median output tok/s (this 2-core VM's figures move 10-15% from run to
-run). Figures are printed, never asserted.
+server start, with the client's seeds 0..N-1 (the same prompts again would hit mlakit's prefix cache, on
+as it serves; vLLM's CPU platform turns its own off for MLA), and takes the run of median output tok/s
+(this 2-core VM's figures move 10-15% from run to run). Figures are printed, never asserted.
 `--dtype auto` (the default) is what mlakit computes in on this CPU: bf16 where bf16 matmuls are native
 (AVX512-BF16, AMX), else fp32, and vLLM is given the same `--dtype`.
 """
@@ -299,11 +300,13 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def bench(py: str, folder: Path, port: int, workload: str, out: Path, args) -> dict:
+def bench(py: str, folder: Path, port: int, workload: str, out: Path, args, seed: int = 0) -> dict:
+    """One `vllm bench serve` run of `workload`; `seed` picks the random prompts (a repeat gets prompts
+    of its own: the same ones again would be prefix-cache hits for mlakit, whose cache is on)."""
     prompts, conc, input_len, output_len, prefix, _ = WORKLOADS[workload]
     if args.quick:
         prompts, output_len = max(conc, 2), 8
-    result = out / f"{workload}-{port}.json"
+    result = out / f"{workload}-{port}-s{seed}.json"
     cmd = [
         py,
         "-c",
@@ -336,7 +339,7 @@ def bench(py: str, folder: Path, port: int, workload: str, out: Path, args) -> d
         str(conc),
         "--ignore-eos",
         "--seed",
-        "0",
+        str(seed),
         "--num-warmups",
         "1",
         "--percentile-metrics",
@@ -355,7 +358,7 @@ def bench(py: str, folder: Path, port: int, workload: str, out: Path, args) -> d
     done = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=args.bench_timeout, check=False
     )
-    (out / f"{workload}-{port}.client.log").write_text(done.stdout + done.stderr)
+    (out / f"{workload}-{port}-s{seed}.client.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not result.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         return {"error": " | ".join(tail)}
@@ -395,7 +398,7 @@ def run_server(name, cmd, env, port, folder, py, out, args) -> dict:
         for w in args.workloads:
             runs = []
             for i in range(args.repeat):
-                r = bench(py, folder, port, w, out, args)
+                r = bench(py, folder, port, w, out, args, seed=i)
                 tag = f"{w}" if args.repeat == 1 else f"{w} ({i + 1}/{args.repeat})"
                 if "error" in r:
                     print(f"  {tag}: client failed: {r['error']}", flush=True)
@@ -526,7 +529,8 @@ def main(argv=None) -> int:
         "--repeat",
         type=int,
         default=1,
-        help="runs of each workload per server start; the tables take the run of median output tok/s",
+        help="runs of each workload per server start (client seeds 0..N-1); the tables take the run of "
+        "median output tok/s",
     )
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--json", default=None, help="write every figure, the machine and the commands here")
