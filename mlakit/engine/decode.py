@@ -58,7 +58,14 @@ def absorb_in_place(mla: MLAAttention, x: torch.Tensor, plan) -> torch.Tensor | 
     g, layer = plan.groups[0], mla.layer_idx
     ctx = plan.context
     latent, rope = ctx._fields(layer)
-    if cpu_core.fits(x, latent, rope) is not None or not cpu_core.available(latent.dtype):
+    lens = g.kv_lens
+    if (
+        latent.dtype != torch.bfloat16  # the bf16 core's op below (an fp32 cache has a core of its own)
+        or cpu_core.fits(x, latent, rope) is not None
+        or not cpu_core.available(latent.dtype)
+        or lens.dtype != torch.long
+        or not lens.is_contiguous()
+    ):
         return None
     plan.claim(layer, mla)  # as MLAAttention.run does, before anything is written
     q_a, q_b, kv_a, o_proj = weights
@@ -73,7 +80,7 @@ def absorb_in_place(mla: MLAAttention, x: torch.Tensor, plan) -> torch.Tensor | 
     q_lat = packs.fold.mm(q[..., :dn])  # [N, H, L]
     rows = g.read_rows[:, : g.key_len]
     splits = cpu_core.default_splits(n, rows.shape[1])
-    o_lat, _ = ops.latent_decode(q_lat, q_pe, latent, rope, rows, g.kv_lens, 1, 0, mla.scale, splits)
+    o_lat, _ = ops.latent_decode(q_lat, q_pe, latent, rope, rows, lens, 1, 0, mla.scale, splits)
     out = packs.unfold.mm(o_lat.to(torch.bfloat16))  # [N, H, dv]
     return _mm(out.view(n, -1), o_proj)
 
