@@ -6,7 +6,7 @@ leaves out is per-step work the engine never uses: rotary tables (mlakit's layer
 the causal-mask and output-capture plumbing, keyword arguments forwarded through every decoder layer,
 the attention slot's tuple, and the attention layer's checks of a caller's plan (`MLAAttention.engine_run`:
 the engine made the plan). Decode steps' attention layers go through mlakit/engine/decode.py where they
-can (packed bf16 weights, the fused core). A 32-row decode step of the demo model (bf16, AMD EPYC Zen 4,
+can (kv_b_proj packed, the fused core). A 32-row decode step of the demo model (bf16, AMD EPYC Zen 4,
 steps of the three forms alternating in one process; medians / minima, ms): two threads, the model's
 forward 63.9 / 56.7, the loop 62.1 / 56.3, with decode.py 61.7 / 54.3; one thread's CPU time 116.8 /
 104.6, 116.3 / 99.8, 114.2 / 97.2 (run to run, this machine's step times moved by 10-15%).
