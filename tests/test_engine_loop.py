@@ -51,28 +51,99 @@ def test_loop_takes_the_families_whose_forward_it_is(family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", LOOPED)
 @pytest.mark.parametrize("wide", [False, True], ids=["tiny", "wide"])
-def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "ops"])
+def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, path, monkeypatch):
     extra = WIDE if wide else {}
-    fast = []
-    real = loop_mod.absorb_in_place
+    fast, fused = [], []
+    real, real_fused = loop_mod.absorb_in_place, loop_mod.fused_layer
 
     def counted(mla, x, plan):
         out = real(mla, x, plan)
         fast.append(out is not None)
         return out
 
+    def counted_fused(*args):
+        out = real_fused(*args) if path == "fused" else None
+        fused.append(out is not None)
+        return out
+
     monkeypatch.setattr(loop_mod, "absorb_in_place", counted)
+    monkeypatch.setattr(loop_mod, "fused_layer", counted_fused)
     want, _ = generate(family, dtype, loop=False, **extra)
-    assert not fast
+    assert not fast and not fused
     got, llm = generate(family, dtype, loop=True, **extra)
     # every step's hidden states are the same bits: the same tokens and the same log-probability floats
     assert got == want
     assert llm.llm_engine.stats.prefix_cache_hits > 0
     llm.llm_engine.check()
-    # decode steps' attention in a dozen ops exactly where the packed bf16 weights and the core are
+    # decode steps' attention in one C++ call (path "fused") or a dozen ops (path "ops", or where a layer
+    # is not of the fused op's form) exactly where the packed bf16 weights and the core are
     bf16 = dtype == torch.bfloat16
     can = wide and bf16 and packs(dtype, "cpu") and vnni_packs() and cpu_core.available(dtype)
-    assert any(fast) == bool(can), (fast.count(True), len(fast))
+    if path == "fused":
+        assert any(fused) == bool(can), (fused.count(True), len(fused))
+        assert not any(fast)  # every layer the op took is one absorb_in_place would have taken
+    else:
+        assert any(fast) == bool(can), (fast.count(True), len(fast))
+
+
+def test_a_hook_on_a_norm_or_projection_runs_the_layer_op_by_op():
+    """The fused layer bypasses its norms' and projections' forwards: a hook on one sends that layer
+    through the ops (which call the modules), the others stay fused."""
+    if not (vnni_packs() and cpu_core.available(torch.bfloat16)):
+        pytest.skip("the fused decode layer needs the AVX512-BF16 core and mlakit's packed weights")
+    llm = LLM(tiny_model("deepseek-v3", **WIDE).to(torch.bfloat16), **ENGINE)
+    runner = llm.llm_engine.runner
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm.generate(prompts(2, [6, 11]), params, use_tqdm=False)
+    layers = runner.model.model.layers
+    for module in (layers[1].post_attention_layernorm, runner.layers[0].q_a_proj):
+        calls: list[int] = []
+        handle = module.register_forward_hook(lambda m, a, out, calls=calls: calls.append(a[0].shape[0]))
+        hooked = llm.generate(prompts(2, [6, 11]), params, use_tqdm=False)
+        handle.remove()
+        assert 2 in calls  # the decode steps' two rows went through the hooked module
+        assert [o.outputs[0].token_ids for o in hooked] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_the_fused_layer_refuses_before_writing_the_cache(monkeypatch):
+    """A call of the fused op with a bad argument raises before the cache changes; write_in_place
+    refuses a quantized cache and a finished plan before its writer runs."""
+    if not (vnni_packs() and cpu_core.available(torch.bfloat16)):
+        pytest.skip("the fused decode layer needs the AVX512-BF16 core and mlakit's packed weights")
+    llm = LLM(tiny_model("deepseek-v3", **WIDE).to(torch.bfloat16), **ENGINE)
+    op = torch.ops.mlakit_cpu.mla_decode_layer
+    seen = []
+
+    class Spy:
+        def __call__(self, *args):
+            seen.append(args)
+            return op(*args)
+
+    monkeypatch.setattr(torch.ops.mlakit_cpu, "mla_decode_layer", Spy())
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts(2, [6, 11]), params, use_tqdm=False)
+    assert seen
+    args = list(seen[-1])
+    latent, rope = args[15], args[16]
+    before = (latent.clone(), rope.clone())
+    bad = {
+        17: args[17].flip(0)[:1],  # slots of another length
+        20: args[20][:, :1].expand(-1, 3),  # rows not contiguous in their last dim
+        27: [1, 2, 3],  # dims
+        24: args[24][:-1],  # o_proj's pack of fewer blocks
+    }
+    for i, value in bad.items():
+        call = list(args)
+        call[i] = value
+        with pytest.raises(RuntimeError, match="mla_decode_layer"):
+            op(*call)
+        assert torch.equal(latent, before[0]) and torch.equal(rope, before[1]), i
+    out_of_range = list(args)
+    out_of_range[17] = torch.full_like(args[17], latent.shape[0])
+    with pytest.raises(RuntimeError, match="out of the pools"):
+        op(*out_of_range)
+    assert torch.equal(latent, before[0]) and torch.equal(rope, before[1])
 
 
 def test_a_hook_on_a_bypassed_module_runs_the_model_forward():

@@ -314,6 +314,20 @@ class PagedLatentCache(StepCache):
                 self._put_rows(layer, target, [(lay.latent, values), (lay.scale, scale), (lay.rope, rope)])
         step.ran.add(layer)
 
+    def write_in_place(self, plan: StepPlan, layer: int, fn):
+        """For a caller that writes one layer's new tokens itself (the fused decode layer,
+        mlakit/engine/decode.py): `fn(latent, rope, rows)` gets the layer's typed views (latent [R, L],
+        rope [R, dr]) and the rows to write (`plan.slot_mapping`, [N] int64), after `write`'s checks of
+        the plan and the layer; the layer is recorded as written once fn returns. Unquantized caches
+        only (a ValueError else, before fn runs). Returns fn's result."""
+        step = self._open_layer(plan, layer)
+        if self.layout.quant is not None:
+            raise ValueError(f"write_in_place: the cache is quantized ({self.layout.quant}); use write()")
+        latent, rope = self._fields(layer)
+        out = fn(latent, rope, plan.slot_mapping)
+        step.ran.add(layer)
+        return out
+
     def _put_rows(self, layer: int, target: torch.Tensor, fields) -> None:
         """Fields of token rows `target` [N] written by one `index_put_` of whole rows into the store:
         under torch.compile, a write into a column, dtype or layer view of the store makes inductor

@@ -207,12 +207,7 @@ class StepCache(StepBook):
         """Checks of `write` (host facts only: no tensor op, no device sync; ~1 us when they pass);
         returns (the plan's step, on which the write then records `layer`, c_kv [N, L], k_pe [N, dr]
         packed: the caller's rectangle [B, S, ...] is packed here)."""
-        if type(plan) is not StepPlan or plan.cache is not self:
-            self._check_plan(plan)
-        step = plan if plan.host is None else plan.host
-        step.check_open()
-        if type(layer) is not int or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        step = self._open_layer(plan, layer)
         (n, b, s, latent, rope), dtype, device = plan.write_facts
         ok = (
             isinstance(c_kv, torch.Tensor)
@@ -227,6 +222,17 @@ class StepCache(StepBook):
         if ok and c_kv.shape == (b, s, latent) and k_pe.shape == (b, s, rope):
             return step, pack_rows(c_kv, plan), pack_rows(k_pe, plan)
         self._refuse_write((plan.batch, plan.seq_len), c_kv, k_pe, n)
+
+    def _open_layer(self, plan, layer) -> StepPlan:
+        """The step a write of `layer` in `plan` records on, after checking both (`write`'s checks that
+        come before its tensors')."""
+        if type(plan) is not StepPlan or plan.cache is not self:
+            self._check_plan(plan)
+        step = plan if plan.host is None else plan.host
+        step.check_open()
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} out of range, expected 0..{self.num_layers - 1}")
+        return step
 
     def _check_write_index(self, plan, layer, k_idx) -> torch.Tensor:
         """Checks of `write_index` (host facts only, as `_check_write`): the plan open, `layer` in range,

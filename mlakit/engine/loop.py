@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from mlakit.engine.decode import absorb_in_place, plan_fits
+from mlakit.engine.decode import absorb_in_place, fused_layer, plan_fits, step_args
 from mlakit.linear import call
 
 # the inner model's class -> its decoder layer's: forwards checked to be the loop below
@@ -83,11 +83,17 @@ class DecoderLoop:
     def __call__(self, plan, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         h = call(self.embed, ids)  # [N, D]
         decode = plan_fits(plan)
+        step = step_args(plan, h.shape[0]) if decode else None
         for norm_in, mla, norm_post, mlp in self.layers:
-            x = call(norm_in, h)
-            out = absorb_in_place(mla, x, plan) if decode else None
-            h = h + (mla.engine_run(x, plan) if out is None else out)
-            h = h + call(mlp, call(norm_post, h))
+            fused = None if step is None else fused_layer(mla, norm_in, norm_post, h, plan, step)
+            if fused is None:
+                x = call(norm_in, h)
+                out = absorb_in_place(mla, x, plan) if decode else None
+                h = h + (mla.engine_run(x, plan) if out is None else out)
+                x = call(norm_post, h)
+            else:
+                h, x = fused
+            h = h + call(mlp, x)
         # the norm is per row: the kept rows alone, as the model's norm over all then the head's slice
         return call(self.norm, h.index_select(0, keep))
 

@@ -67,6 +67,7 @@ BF16 = Core(
         CSRC / "prefill_attention.cpp",
         CSRC / "vnni_linear.cpp",
         CSRC / "rows.cpp",
+        CSRC / "decode_layer.cpp",
         CSRC / "bf16_tiles.h",
         CSRC / "prefetch.h",
     ),
