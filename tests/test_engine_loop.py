@@ -54,8 +54,8 @@ def test_loop_takes_the_families_whose_forward_it_is(family):
 @pytest.mark.parametrize("path", ["fused", "ops"])
 def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, path, monkeypatch):
     extra = WIDE if wide else {}
-    fast, fused = [], []
-    real, real_fused = loop_mod.absorb_in_place, loop_mod.fused_layer
+    fast, fused, moes = [], [], []
+    real, real_fused, real_moe = loop_mod.absorb_in_place, loop_mod.fused_layer, loop_mod.fused_moe
 
     def counted(mla, x, plan):
         out = real(mla, x, plan)
@@ -67,10 +67,16 @@ def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, path, monkey
         fused.append(out is not None)
         return out
 
+    def counted_moe(*args):
+        out = real_moe(*args)
+        moes.append(out is not None)
+        return out
+
     monkeypatch.setattr(loop_mod, "absorb_in_place", counted)
     monkeypatch.setattr(loop_mod, "fused_layer", counted_fused)
+    monkeypatch.setattr(loop_mod, "fused_moe", counted_moe)
     want, _ = generate(family, dtype, loop=False, **extra)
-    assert not fast and not fused
+    assert not fast and not fused and not moes
     got, llm = generate(family, dtype, loop=True, **extra)
     # every step's hidden states are the same bits: the same tokens and the same log-probability floats
     assert got == want
@@ -83,6 +89,8 @@ def test_loop_gives_the_model_forwards_numbers(family, dtype, wide, path, monkey
     if path == "fused":
         assert any(fused) == bool(can), (fused.count(True), len(fused))
         assert not any(fast)  # every layer the op took is one absorb_in_place would have taken
+        # the MoE blocks after a fused layer: routers of the short form (V3's noaux_tc, GLM-4.7-Flash's)
+        assert any(moes) == bool(can and family != "deepseek-v2"), (moes.count(True), len(moes))
     else:
         assert any(fast) == bool(can), (fast.count(True), len(fast))
 

@@ -7,6 +7,7 @@
 //   c_kv and k_pe written at the step's rows of the layer's pools (the paged cache, in place)
 //   o_lat = the latent core over each sequence's rows; o = o_proj(unfold(bf16(o_lat)))
 //   returns h + o and rms_post(h + o) (the MLP's input)
+// and `moe_decode_block`: h + the MoE block of that input (the router's small ops and the experts).
 // The kernels are the registered ops (csrc/rows.cpp, vnni_linear.cpp, latent_decode.cpp) called
 // through the dispatcher; the two casts between them are torch's (round to nearest even, as
 // Tensor.to(bfloat16) and a bf16 add round). Every check runs before the cache is written: a refused
@@ -185,9 +186,42 @@ std::tuple<Tensor, Tensor> mla_decode_layer(const Tensor& h, const Tensor& w_in,
   return {h_out, rms(h_out, w_post, eps_post)};
 }
 
+// h + MoE(x) of a block routed as mlakit/engine/moe.py `_short_route` routes (a noaux_tc router whose
+// group limit keeps every group: sigmoid scores, top-k of scores + bias, the chosen scores normalized
+// and scaled) and computed by `moe_experts` (csrc/vnni_linear.cpp) over the released packs: the same
+// ops in the same order (the router's through ATen, so its fp32 logits are the same MKL product)
+Tensor moe_decode_block(const Tensor& h, const Tensor& x, const Tensor& gate_w, const Tensor& bias, int64_t top_k,
+                        bool norm_topk, double scale, const Tensor& gate_up, const Tensor& down,
+                        const std::optional<Tensor>& shared_gate_up, const std::optional<Tensor>& shared_down,
+                        int64_t I, int64_t Is) {
+  check(bf16(h) && h.dim() == 2 && h.is_contiguous() && bf16(x) && x.sizes() == h.sizes() && x.is_contiguous(),
+        "h and x [N, D] bf16 contiguous");
+  const int64_t N = h.size(0), D = h.size(1);
+  check(gate_w.dim() == 2 && gate_w.size(1) == D && gate_w.device().is_cpu(), "gate weight [E, D]");
+  const int64_t E = gate_w.size(0);
+  check(bias.is_floating_point() && bias.dim() == 1 && bias.size(0) == E, "bias [E], a float dtype");
+  check(top_k > 0 && top_k <= E, "top_k in 1..E");
+  static auto experts = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const std::optional<Tensor>&, const std::optional<Tensor>&, int64_t, int64_t)>(
+      "mlakit_cpu::moe_experts");
+  const Tensor scores = at::linear(x.to(at::kFloat), gate_w.to(at::kFloat)).sigmoid();  // [N, E]
+  const Tensor index = std::get<1>(at::topk(scores + bias, top_k, -1, true, false));
+  Tensor weights = scores.gather(1, index);
+  if (norm_topk) weights.div_(weights.sum(-1, true) + 1e-20);
+  weights = weights * scale;
+  const Tensor out = experts.call(x, index, weights, gate_up, down, shared_gate_up, shared_down, I, Is);
+  Tensor h_out = at::empty({N, D}, h.options());
+  add_rows(bits(h), bits(out), N, D, reinterpret_cast<uint16_t*>(h_out.data_ptr<at::BFloat16>()));
+  return h_out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
+  m.def(
+      "moe_decode_block(Tensor h, Tensor x, Tensor gate_w, Tensor bias, int top_k, bool norm_topk, float scale, "
+      "Tensor gate_up, Tensor down, Tensor? shared_gate_up, Tensor? shared_down, int I, int Is) -> Tensor");
+  m.impl("moe_decode_block", c10::DispatchKey::CPU, TORCH_FN(moe_decode_block));
   m.def(
       "mla_decode_layer(Tensor h, Tensor w_in, float eps_in, Tensor q_a, Tensor w_qa, float eps_qa, Tensor q_b, "
       "Tensor kv_a, Tensor w_kva, float eps_kva, Tensor cos_q, Tensor sin_q, Tensor cos_k, Tensor sin_k, "

@@ -11,7 +11,8 @@ says None.
 norms are mlakit's RMSNorm (the engine's own bf16 models on a CPU with AVX512-BF16 and no AMX): the
 input norm, the attention and the residual add and the MLP's norm as one call of csrc/decode_layer.cpp
 (the same kernels again, called from C++: no Python frame or tensor wrapper between the ~25 ops of a
-layer), asked before `absorb_in_place`.
+layer), asked before `absorb_in_place`; and `fused_moe` runs the MoE block after it (its router's small
+ops and the experts) and the residual add as another.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mlakit.attention import MLAAttention, RMSNorm, project_unrotated
+from mlakit.engine.moe import GroupedMoE, short_route
 from mlakit.engine.packed import PackedLinear
 from mlakit.linear import call
 from mlakit.ops import cpu_core
@@ -171,3 +173,24 @@ def fused_layer(mla: MLAAttention, norm_in, norm_post, h: torch.Tensor, plan, st
         )  # fmt: skip
 
     return ctx.write_in_place(plan, layer, run)
+
+
+def fused_moe(mlp, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """h + mlp(x) for decode rows in one call of csrc/decode_layer.cpp's `moe_decode_block`, where `mlp` is
+    a GroupedMoE whose experts run as one `moe_experts` call (`GroupedMoE._fused`) and whose router
+    `route` takes through `_short_route`: the same ops in the same order, so the same bits
+    (tests/test_engine_loop.py). None else (hooks on the block included: the caller calls it)."""
+    if type(mlp) is not GroupedMoE or mlp._forward_pre_hooks or mlp._forward_hooks:
+        return None
+    packed, gate = mlp.packed, mlp.gate
+    if x.dim() != 2 or not x.is_contiguous() or not mlp._fused(packed, x) or not short_route(gate):
+        return None
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None or gate.weight.shape[-1] != x.shape[-1] or gate.weight.device.type != "cpu":
+        return None
+    stacks = packed["stacks"]
+    return torch.ops.mlakit_cpu.moe_decode_block(
+        h, x, gate.weight, bias, gate.top_k, bool(gate.norm_topk_prob), float(gate.routed_scaling_factor),
+        stacks[0], stacks[1], packed["shared_gate_up"].packed, packed["shared_down"].packed,
+        mlp.experts.down_proj.shape[-1], mlp.shared_experts.down_proj.in_features,
+    )  # fmt: skip

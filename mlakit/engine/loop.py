@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from mlakit.engine.decode import absorb_in_place, fused_layer, plan_fits, step_args
+from mlakit.engine.decode import absorb_in_place, fused_layer, fused_moe, plan_fits, step_args
 from mlakit.linear import call
 
 # the inner model's class -> its decoder layer's: forwards checked to be the loop below
@@ -91,9 +91,11 @@ class DecoderLoop:
                 out = absorb_in_place(mla, x, plan) if decode else None
                 h = h + (mla.engine_run(x, plan) if out is None else out)
                 x = call(norm_post, h)
+                h = h + call(mlp, x)
             else:
                 h, x = fused
-            h = h + call(mlp, x)
+                moe = fused_moe(mlp, h, x)
+                h = h + call(mlp, x) if moe is None else moe
         # the norm is per row: the kept rows alone, as the model's norm over all then the head's slice
         return call(self.norm, h.index_select(0, keep))
 

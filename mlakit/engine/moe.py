@@ -340,15 +340,21 @@ def route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     results, a dozen small ops fewer per block (the demo's router alone at 32 rows, AMD EPYC Zen 4:
     82-98 -> 50-52 us). Whether a router class computes what `_short_route` does is checked once, on
     random rows against its own forward (another transformers version may route otherwise)."""
+    if short_route(gate):
+        return _short_route(gate, x)
+    _, weights, index = gate(x)
+    return weights, index
+
+
+def short_route(gate: nn.Module) -> bool:
+    """Whether `route` takes `gate` through `_short_route` (checked once per router class)."""
     kind = type(gate)
     if kind.__name__ in NOAUX_ROUTERS and getattr(gate, "num_group", None) == getattr(gate, "topk_group", 0):
         known = _SHORT_ROUTES.get(kind)
         if known is None and not torch.compiler.is_compiling() and not gate.weight.is_meta:
             known = _SHORT_ROUTES[kind] = _same_routing(gate)
-        if known:
-            return _short_route(gate, x)
-    _, weights, index = gate(x)
-    return weights, index
+        return bool(known)
+    return False
 
 
 # router class -> whether `_short_route` gives its forward's results (checked once, by `_same_routing`)
