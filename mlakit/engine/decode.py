@@ -48,9 +48,10 @@ def plan_fits(plan) -> bool:
     )
 
 
-def absorb_in_place(mla: MLAAttention, x: torch.Tensor, plan) -> torch.Tensor | None:
-    """The layer's output [N, D] for the packed decode rows x [N, D] of a plan `plan_fits` took, or None
-    where the layer or x is not of that form (the caller runs the general path)."""
+def _in_place(mla: MLAAttention, x: torch.Tensor, plan) -> tuple | None:
+    """(kv_b_proj's packs, the layer's latent and rope pools) where its decode attention over the rows
+    x [N, D] of a plan `plan_fits` took runs on the bf16 core reading the pages in place: kv_b_proj
+    packed for the folds, no DSA indexer, the torch absorb backend, bf16 rows and cache; None else."""
     packs = mla.up_packs()
     if (
         packs is None
@@ -60,18 +61,25 @@ def absorb_in_place(mla: MLAAttention, x: torch.Tensor, plan) -> torch.Tensor | 
         or x.dim() != 2
     ):
         return None
-    g, layer = plan.groups[0], mla.layer_idx
-    ctx = plan.context
-    latent, rope = ctx._fields(layer)
-    lens = g.kv_lens
+    latent, rope = plan.context._fields(mla.layer_idx)
     if (
-        latent.dtype != torch.bfloat16  # the bf16 core's op below (an fp32 cache has a core of its own)
+        latent.dtype != torch.bfloat16  # the bf16 core's op (an fp32 cache has a core of its own)
         or cpu_core.fits(x, latent, rope) is not None
         or not cpu_core.available(latent.dtype)
-        or lens.dtype != torch.long
-        or not lens.is_contiguous()
     ):
         return None
+    return packs, latent, rope
+
+
+def absorb_in_place(mla: MLAAttention, x: torch.Tensor, plan) -> torch.Tensor | None:
+    """The layer's output [N, D] for the packed decode rows x [N, D] of a plan `plan_fits` took, or None
+    where the layer or x is not of that form (the caller runs the general path)."""
+    found = _in_place(mla, x, plan)
+    g, layer, ctx = plan.groups[0], mla.layer_idx, plan.context
+    lens = g.kv_lens
+    if found is None or lens.dtype != torch.long or not lens.is_contiguous():
+        return None
+    packs, latent, rope = found
     plan.claim(layer, mla)  # as MLAAttention.run does, before anything is written
     q_nope, q_pe, c_kv, k_pe = project_unrotated(mla, mla.cfg, x)  # [N, H, dn], [N, H, dr], [N, L], [N, dr]
     q_pe = apply_tables(q_pe, plan.rope_q)
@@ -122,18 +130,11 @@ def fused_layer(mla: MLAAttention, norm_in, norm_post, h: torch.Tensor, plan, st
     bf16 projections without bias, mlakit's RMSNorm (bf16 weights) everywhere, no hooks on any of them,
     kv_b_proj packed for the folds."""
     cfg, mods = mla.cfg, mla._modules
-    n, d = h.shape if h.dim() == 2 else (0, 0)
-    packs = mla.up_packs()
-    if (
-        packs is None
-        or cfg.q_lora_rank is None
-        or mla.indexer is not None
-        or mla.absorb_backend not in ("auto", "torch")
-        or h.dtype != torch.bfloat16
-        or not h.is_contiguous()
-        or n == 0
-    ):
+    found = _in_place(mla, h, plan)
+    if found is None or cfg.q_lora_rank is None or not h.is_contiguous() or h.shape[0] == 0:
         return None
+    packs = found[0]  # (the pools come to `run` from the cache, after its checks)
+    n, d = h.shape
     h_, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     ql, width = cfg.q_lora_rank, cfg.kv_lora_rank
     if d % 2 or ql % 2 or dn % 2 or dv % 2 or width % 32 or dr % 32:
@@ -155,9 +156,6 @@ def fused_layer(mla: MLAAttention, norm_in, norm_post, h: torch.Tensor, plan, st
         if hooked or type(m) is not RMSNorm or m.weight.dtype != torch.bfloat16:
             return None
     ctx, layer = plan.context, mla.layer_idx
-    latent, rope = ctx._fields(layer)
-    if latent.dtype != torch.bfloat16 or cpu_core.fits(h, latent, rope) is not None:
-        return None
     cos_q, sin_q, cos_k, sin_k, interleave, read, lens, splits = step
     q_a, q_b, kv_a, o_proj = (m.packed.packed for m in linears)
     w_in, w_qa, w_kva, w_post = (m.weight for m in norms)

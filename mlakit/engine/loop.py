@@ -5,11 +5,13 @@ same numbers (tests/test_engine_loop.py compares them bit for bit with the model
 leaves out is per-step work the engine never uses: rotary tables (mlakit's layers read the plan's),
 the causal-mask and output-capture plumbing, keyword arguments forwarded through every decoder layer,
 the attention slot's tuple, and the attention layer's checks of a caller's plan (`MLAAttention.engine_run`:
-the engine made the plan). Decode steps' attention layers go through mlakit/engine/decode.py where they
-can (kv_b_proj packed, the fused core). A 32-row decode step of the demo model (bf16, AMD EPYC Zen 4,
-steps of the three forms alternating in one process; medians / minima, ms): two threads, the model's
-forward 63.9 / 56.7, the loop 62.1 / 56.3, with decode.py 61.7 / 54.3; one thread's CPU time 116.8 /
-104.6, 116.3 / 99.8, 114.2 / 97.2 (run to run, this machine's step times moved by 10-15%).
+the engine made the plan). Decode steps' layers go through mlakit/engine/decode.py where they can: two
+C++ calls a layer where its weights are packed bf16 (`fused_layer`, `fused_moe`), else the attention's
+ops with its per-call choices taken once (`absorb_in_place`; kv_b_proj packed, the fused core). A
+32-row decode step of the demo model before the fused calls (bf16, AMD EPYC Zen 4, steps of the three
+forms alternating in one process; medians / minima, ms): two threads, the model's forward 63.9 / 56.7,
+the loop 62.1 / 56.3, with absorb_in_place 61.7 / 54.3; one thread's CPU time 116.8 / 104.6, 116.3 /
+99.8, 114.2 / 97.2 (run to run, this machine's step times moved by 10-15%).
 
 Families whose forward differs (MiniCPM3's scaled residuals, DSA's shared top-k in V3.2 / GLM-5) keep
 the model's forward, and so does any step where a bypassed module (the model, a decoder layer, an
