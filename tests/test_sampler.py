@@ -282,3 +282,41 @@ def test_sample_reads_bf16_logits_as_their_widening(params, monkeypatch):
     # sampled rows need the fused draw (the bf16 core: not on AVX2-only CPUs); greedy rows never do
     assert plain == (readable and (all(p.greedy for p in params) or sampler._fused_draw(logits)))
     assert (tuple(logits.shape) in widened) == (not plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [1, 5, 15, 16, 17, 33, 1000, 129280])
+def test_argmax_equals_torch_argmax(dtype, v):
+    """sampler.argmax (`argmax_rows` where the bf16 core is loaded) gives torch.argmax's indices: the
+    first of tied largest values, a NaN as the largest (the first NaN), +inf, rows of all -inf, rows of
+    a wider tensor (strided), no rows at all."""
+    from mlakit.engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(v)
+    rows = 12
+    x = torch.randint(-3, 4, (rows, v + 7), generator=g).to(dtype)[:, 3 : 3 + v]  # ties everywhere
+    x[1] = float("-inf")
+    x[2, -1] = float("inf")
+    x[3, v // 2] = float("nan")
+    x[4, v - 1] = float("nan")
+    x[4, 0] = float("inf")
+    if v > 2:
+        x[5, [v // 3, v - 2]] = float("nan")
+        x[6, [0, v - 1]] = x[6].max() + 1  # the same largest value at both ends
+    x[7] = torch.randn(v, generator=g).to(dtype)
+    x[8] = float("-inf")
+    x[8, v - 1] = -1e30
+    assert x.stride(0) == v + 7
+    want = x.argmax(-1)
+    assert torch.equal(argmax(x), want)
+    assert torch.equal(argmax(x.contiguous()), want)
+    assert argmax(x[:0]).shape == (0,)
+
+
+def test_greedy_tokens_are_torch_argmax_of_bf16_logits():
+    """sample() on greedy rows of bf16 logits (read unwidened) picks torch.argmax's tokens."""
+    g = torch.Generator().manual_seed(15)
+    logits = (torch.randn(9, 129280, generator=g) * 3).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0)] * 9
+    tokens, _ = sample(logits, params, [None] * 9, torch.Generator())
+    assert tokens == logits.argmax(-1).tolist() == logits.float().argmax(-1).tolist()

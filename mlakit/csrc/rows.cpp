@@ -1,4 +1,9 @@
-// Per-row ops of an engine step (AVX-512): the sampler's draw, RMSNorm and rope.
+// Per-row ops of an engine step (AVX-512): the sampler's draw and argmax, RMSNorm and rope.
+//
+// argmax_rows: torch.argmax(x, -1) of fp32 or bf16 logits, the same answer (the first index of the
+// row's largest value; a NaN counts as the largest, the first NaN wins), one row per work item. ATen's
+// bf16 argmax runs a scalar loop: 7.4 ms for 32 rows of 129,280 on 2 cores of an AMD EPYC Zen 4,
+// where reading them takes ~0.3 ms (and its fp32 argmax 1.7 ms).
 //
 // inverse_cdf_logits: one draw per row from softmax(x * inv_temp) by its inverse CDF, straight from the logits (AVX-512):
 // the sampler's two-level running sum (mlakit/engine/sampler.py: inverse_cdf) without the softmax
@@ -17,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -97,6 +103,63 @@ at::Tensor inverse_cdf_logits(const at::Tensor& x, const at::Tensor& inv_temp, c
     at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
       std::vector<double> cdf;
       for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * ld, V, it[r], up[r], cdf);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
+  else
+    rows(x.data_ptr<float>());
+  return out;
+}
+
+// the first index of the row's largest value (NaN the largest): per lane, its largest value so far and
+// where it was first seen (strictly greater replaces), then the smallest index among the lanes that hold
+// the row's largest; lanes past V hold -inf at an index past V, which only an all -inf row reaches, and
+// there lane 0 (index 0) ties with them and is smaller
+template <class T>
+int64_t row_argmax(const T* x, int64_t V) {
+  __m512 mx = _mm512_set1_ps(mlakit_tiles::NEG_INF);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i at = lanes, cur = lanes;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __m512 v = logits16(x, i, tail(V - i));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);
+    mx = _mm512_mask_mov_ps(mx, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, cur);
+    cur = _mm512_add_epi32(cur, step);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < V; ++i) {
+      float v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = x[i];
+      } else {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        std::memcpy(&v, &bits, sizeof v);
+      }
+      if (std::isnan(v)) return i;
+    }
+  }
+  const __mmask16 top = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(_mm512_reduce_max_ps(mx)), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(top, at);
+}
+
+// x [R, V] fp32 or bf16 (rows contiguous, V < 2^31 - 16) -> [R] int64: torch.argmax(x, -1)
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              "argmax_rows: x [R, V] fp32 or bf16, rows contiguous");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 && V < INT32_MAX - 16, "argmax_rows: 0 < V < 2^31 - 16");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t ld = x.stride(0);
+  auto rows = [&](const auto* xp) {
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) op[r] = row_argmax(xp + r * ld, V);
     });
   };
   if (x.scalar_type() == at::kBFloat16)
@@ -224,4 +287,6 @@ TORCH_LIBRARY_FRAGMENT(mlakit_cpu, m) {
   m.impl("rope_rows", c10::DispatchKey::CPU, TORCH_FN(rope_rows));
   m.def("inverse_cdf_logits(Tensor x, Tensor inv_temp, Tensor u) -> Tensor");
   m.impl("inverse_cdf_logits", c10::DispatchKey::CPU, TORCH_FN(inverse_cdf_logits));
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
 }

@@ -143,14 +143,14 @@ def sample(
     logits = process(logits, params, history, eos)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        chosen = logits.argmax(-1).tolist()
+        chosen = argmax(logits).tolist()
         return chosen, _logprobs(raw, params, chosen)
     dev = logits.device
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         g_idx = torch.tensor(greedy, device=dev)
-        tokens[g_idx] = logits[g_idx].argmax(-1)
+        tokens[g_idx] = argmax(logits[g_idx])
     idx = torch.tensor(rows, device=dev)
     picked = logits if not greedy else logits[idx]  # no copy of the logits when every row samples
     sampled = [params[i] for i in rows]
@@ -165,6 +165,22 @@ def sample(
         tokens[idx] = inverse_cdf(_filter(picked, sampled).softmax(-1), u)
     chosen = tokens.tolist()
     return chosen, _logprobs(raw, params, chosen)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of logits [R, V] (the same indices: the first largest, NaN the largest),
+    through `argmax_rows` (mlakit/csrc/rows.cpp) where the bf16 core is loaded: ATen's bf16 argmax runs
+    a scalar loop (7.4 ms for 32 rows of 129,280 on 2 cores of an AMD EPYC Zen 4, against ~0.4 ms)."""
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(-1) == 1
+        and 0 < x.shape[-1] < 2**31 - 16
+        and cpu_core.available(torch.bfloat16)
+    ):
+        return torch.ops.mlakit_cpu.argmax_rows(x)
+    return x.argmax(-1)
 
 
 def _fused_draw(x: torch.Tensor) -> bool:
