@@ -284,14 +284,10 @@ def test_sample_reads_bf16_logits_as_their_widening(params, monkeypatch):
     assert (tuple(logits.shape) in widened) == (not plain)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("v", [1, 5, 15, 16, 17, 33, 1000, 129280])
-def test_argmax_equals_torch_argmax(dtype, v):
-    """sampler.argmax (`argmax_rows` where the bf16 core is loaded) gives torch.argmax's indices: the
-    first of tied largest values, a NaN as the largest (the first NaN), +inf, rows of all -inf, rows of
-    a wider tensor (strided), no rows at all."""
-    from mlakit.engine.sampler import argmax
-
+def argmax_cases(dtype, v: int) -> torch.Tensor:
+    """Rows of v logits where argmax is easy to get wrong: ties everywhere (the first of them wins), a
+    NaN (the largest: the first NaN wins), +inf, all -inf, one finite value among -inf; rows of a wider
+    tensor (strided)."""
     g = torch.Generator().manual_seed(v)
     rows = 12
     x = torch.randint(-3, 4, (rows, v + 7), generator=g).to(dtype)[:, 3 : 3 + v]  # ties everywhere
@@ -307,10 +303,48 @@ def test_argmax_equals_torch_argmax(dtype, v):
     x[8] = float("-inf")
     x[8, v - 1] = -1e30
     assert x.stride(0) == v + 7
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [1, 5, 7, 8, 9, 15, 16, 17, 33, 1000, 129280])
+def test_argmax_equals_torch_argmax(dtype, v):
+    """sampler.argmax (`argmax_rows` where a fused core is loaded) gives torch.argmax's indices on
+    `argmax_cases`, on their contiguous copy, and on no rows at all."""
+    from mlakit.engine.sampler import argmax
+
+    x = argmax_cases(dtype, v)
     want = x.argmax(-1)
     assert torch.equal(argmax(x), want)
     assert torch.equal(argmax(x.contiguous()), want)
     assert argmax(x[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("v", [1, 5, 7, 8, 9, 15, 16, 17, 33, 1000, 129280])
+def test_fp32_core_argmax_equals_torch_argmax(v, monkeypatch):
+    """The fp32 core's `argmax_rows` (AVX2: what greedy rows take on CPUs without AVX512-BF16) gives
+    torch.argmax's indices on `argmax_cases`; sampler.argmax takes it where the bf16 core is absent."""
+    from mlakit.engine import sampler
+    from mlakit.ops import cpu_core
+
+    if not cpu_core.available(torch.float32):
+        pytest.skip(f"fp32 core unavailable: {cpu_core.unavailable_reason(torch.float32)}")
+    x = argmax_cases(torch.float32, v)
+    want = x.argmax(-1)
+    assert torch.equal(torch.ops.mlakit_cpu_f32.argmax_rows(x), want)
+    assert torch.equal(torch.ops.mlakit_cpu_f32.argmax_rows(x.contiguous()), want)
+    real = cpu_core.available
+
+    def no_bf16_core(dtype=torch.bfloat16):  # as on a CPU without AVX512-BF16
+        return dtype == torch.float32 and real(dtype)
+
+    monkeypatch.setattr(cpu_core, "available", no_bf16_core)
+    calls = []
+    op = torch.ops.mlakit_cpu_f32.argmax_rows
+    monkeypatch.setattr(torch.ops.mlakit_cpu_f32, "argmax_rows", lambda t: calls.append(t.shape) or op(t))
+    assert torch.equal(sampler.argmax(x), want) and calls == [x.shape]
+    assert torch.equal(sampler.argmax(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(-1))  # torch's
+    assert len(calls) == 1
 
 
 def test_greedy_tokens_are_torch_argmax_of_bf16_logits():

@@ -169,17 +169,15 @@ def sample(
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) of logits [R, V] (the same indices: the first largest, NaN the largest),
-    through `argmax_rows` (mlakit/csrc/rows.cpp) where the bf16 core is loaded: ATen's bf16 argmax runs
-    a scalar loop (7.4 ms for 32 rows of 129,280 on 2 cores of an AMD EPYC Zen 4, against ~0.4 ms)."""
-    if (
-        x.device.type == "cpu"
-        and x.dim() == 2
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.stride(-1) == 1
-        and 0 < x.shape[-1] < 2**31 - 16
-        and cpu_core.available(torch.bfloat16)
-    ):
-        return torch.ops.mlakit_cpu.argmax_rows(x)
+    through `argmax_rows` where a fused core is loaded: the bf16 core's (mlakit/csrc/rows.cpp, fp32 or
+    bf16 logits), else the fp32 core's for fp32 logits (latent_decode_f32.cpp: AVX2-only CPUs, where
+    mlakit computes in fp32). ATen's bf16 argmax runs a scalar loop (7.4 ms for 32 rows of 129,280 on 2
+    cores of an AMD EPYC Zen 4, against ~0.3 ms), its fp32 one 1.7 ms."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and 0 < x.shape[-1] < 2**31 - 16:
+        if x.dtype in (torch.float32, torch.bfloat16) and cpu_core.available(torch.bfloat16):
+            return torch.ops.mlakit_cpu.argmax_rows(x)
+        if x.dtype == torch.float32 and cpu_core.available(torch.float32):
+            return torch.ops.mlakit_cpu_f32.argmax_rows(x)
     return x.argmax(-1)
 
 
